@@ -1,0 +1,104 @@
+"""What every compressed value can do, and the checks shared by their decoders.
+
+A payload describes itself: its codec id and sizes travel in `meta`, its arrays in
+the body (see `fedring.wire.arrays`). A receiver never needs its own shapes to
+decode one, only limits to refuse absurd ones. Payloads cover either a whole flat
+vector of `numel` entries or a contiguous range of it (a ring chunk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from fedring.wire.errors import FrameError, FrameReason
+
+WireArrays = list[tuple[str, str, np.ndarray]]
+Decoded = Mapping[str, tuple[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class PayloadLimits:
+    """What a receiver accepts; set from the job's manifest."""
+
+    max_numel: int = 1 << 30
+    max_group_size: int = 65536
+
+
+@runtime_checkable
+class Payload(Protocol):
+    codec_id: ClassVar[str]
+    numel: int
+
+    def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
+        """Add this payload (times `alpha`) into the flat float32 vector `out`."""
+        ...
+
+    def decompress(self) -> torch.Tensor:
+        """A new flat float32 vector of length `numel`."""
+        ...
+
+    def to_wire(self) -> tuple[dict[str, Any], WireArrays]:
+        """Meta (codec id, sizes) and the arrays to put in a body."""
+        ...
+
+    @classmethod
+    def from_wire(cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits) -> Any:
+        """Validate and build; raise `FrameError` on anything inconsistent."""
+        ...
+
+
+class Compressor(Protocol):
+    """Turns a flat float32 vector into a payload."""
+
+    codec_id: str
+
+    def compress(self, x: torch.Tensor) -> Payload: ...
+
+
+def meta_int(meta: Mapping[str, Any], name: str, low: int, high: int) -> int:
+    value = meta.get(name)
+    if type(value) is not int or not low <= value <= high:
+        raise FrameError(FrameReason.SHAPE_MISMATCH, f"meta {name!r}={value!r:.40} not in [{low}, {high}]")
+    return value
+
+
+def meta_range(meta: Mapping[str, Any], name: str, high: int) -> tuple[int, int]:
+    value = meta.get(name)
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(type(v) is int for v in value)
+        and 0 <= value[0] <= value[1] <= high
+    ):
+        raise FrameError(FrameReason.SHAPE_MISMATCH, f"meta {name!r}={value!r:.60} not a range in [0, {high}]")
+    return value[0], value[1]
+
+
+def array(
+    arrays: Decoded, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]
+) -> tuple[str, np.ndarray]:
+    """The array `name`, checked for dtype and exact shape."""
+    if name not in arrays:
+        raise FrameError(FrameReason.SHAPE_MISMATCH, f"array {name!r} is missing")
+    dtype, a = arrays[name]
+    if dtype not in dtypes:
+        raise FrameError(FrameReason.BAD_DTYPE, f"array {name!r} is {dtype}, expected one of {dtypes}")
+    if a.shape != shape:
+        raise FrameError(FrameReason.SHAPE_MISMATCH, f"array {name!r} has shape {a.shape}, expected {shape}")
+    return dtype, a
+
+
+def no_extra(arrays: Decoded, names: set[str]) -> None:
+    extra = set(arrays) - names
+    if extra:
+        raise FrameError(FrameReason.SHAPE_MISMATCH, f"unexpected array {sorted(extra)[0]!r}")
+
+
+def finite(t: torch.Tensor, what: str) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise FrameError(FrameReason.NON_FINITE, f"{what} holds NaN or Inf")

@@ -1,0 +1,77 @@
+"""Codecs by id: how a payload named in a frame's meta is decoded, and how a
+compressor named in a job is built.
+
+The table is checked when this module is imported: ids are unique, every payload
+type has the full `Payload` interface, and every compressor produces a payload
+type that is registered. A frame naming any other codec is refused with
+`FrameReason.UNKNOWN_CODEC`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fedring.compression.group_topk import GroupTopK
+from fedring.compression.payload import Compressor, Payload, PayloadLimits
+from fedring.compression.quantize import (
+    DenseChunk,
+    DenseCodec,
+    Int8Groups,
+    Int8Quantizer,
+    SignBits,
+    SignQuantizer,
+)
+from fedring.compression.sparse import GroupSparse, SparseGroups
+from fedring.wire.arrays import unpack_arrays
+from fedring.wire.errors import FrameError, FrameReason
+
+PAYLOADS: Mapping[str, type[Any]] = {
+    cls.codec_id: cls for cls in (DenseChunk, Int8Groups, SignBits, SparseGroups, GroupSparse)
+}
+
+COMPRESSORS: Mapping[str, Callable[..., Compressor]] = {
+    "none": lambda **kw: DenseCodec("fp32"),
+    "fp16": lambda **kw: DenseCodec("fp16"),
+    "bf16": lambda **kw: DenseCodec("bf16"),
+    "int8": lambda group_size=256, **kw: Int8Quantizer(group_size),
+    "sign": lambda group_size=4096, **kw: SignQuantizer(group_size),
+    "group-topk": lambda density=0.01, group_size=256, value_dtype="fp16", **kw: GroupTopK.from_density(
+        density, group_size, value_dtype
+    ),
+}
+
+
+def make_compressor(name: str, **options: Any) -> Compressor:
+    """Build the compressor called `name` (``none``, ``fp16``, ``group-topk``, ...)."""
+    if name not in COMPRESSORS:
+        raise ValueError(f"compression {name!r} is not one of {', '.join(COMPRESSORS)}")
+    return COMPRESSORS[name](**options)
+
+
+def decode_payload(meta: Mapping[str, Any], body: bytes | bytearray, limits: PayloadLimits) -> Payload:
+    """Validate a frame's `meta` and `body` and build the payload they describe."""
+    codec = meta.get("codec")
+    cls = PAYLOADS.get(codec) if isinstance(codec, str) else None
+    if cls is None:
+        raise FrameError(FrameReason.UNKNOWN_CODEC, f"codec {codec!r:.40}")
+    arrays = unpack_arrays(meta.get("arrays"), body, max_elements=limits.max_numel)
+    payload: Payload = cls.from_wire(meta, arrays, limits)
+    return payload
+
+
+def _check() -> None:
+    members = ("add_to", "decompress", "to_wire", "from_wire", "wire_nbytes")
+    for codec_id, cls in PAYLOADS.items():
+        missing = [m for m in members if not hasattr(cls, m)]
+        if missing or cls.codec_id != codec_id:
+            raise TypeError(f"payload codec {codec_id!r} is incomplete: missing {missing}")
+    if len(PAYLOADS) != 5:
+        raise TypeError("two payload types share a codec id")
+    for name, make in COMPRESSORS.items():
+        produced = make().codec_id
+        if produced not in PAYLOADS:
+            raise TypeError(f"compressor {name!r} produces unregistered codec {produced!r}")
+
+
+_check()

@@ -1,0 +1,43 @@
+"""Density warm-up: start nearly dense, reach the target density in stages.
+
+DGC (Lin et al. 2018) warms up with exponentially falling density, e.g.
+25% -> 6.25% -> 1.56% -> 0.4% -> target, so the first, large and fast-changing
+gradients are not squeezed through a 1% keyhole.
+
+    >>> s = DensitySchedule(target=0.01, stages=(0.25, 0.0625), steps_per_stage=10)
+    >>> [s.density(step) for step in (0, 9, 10, 20, 1000)]
+    [0.25, 0.25, 0.0625, 0.01, 0.01]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DGC_STAGES = (0.25, 0.0625, 0.015625, 0.004)
+
+
+@dataclass(frozen=True)
+class DensitySchedule:
+    """Density for each step: the `stages` in turn, then `target`."""
+
+    target: float
+    stages: tuple[float, ...] = DGC_STAGES
+    steps_per_stage: int = 0  # 0 turns the warm-up off
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.target <= 1.0:
+            raise ValueError(f"target density {self.target} must be in (0, 1]")
+        if self.steps_per_stage < 0:
+            raise ValueError(f"steps_per_stage={self.steps_per_stage} must be >= 0")
+        for d in self.stages:
+            if not 0.0 < d <= 1.0:
+                raise ValueError(f"warm-up density {d} must be in (0, 1]")
+
+    def density(self, step: int) -> float:
+        """The density at `step` (0-based); stages below the target are skipped."""
+        if self.steps_per_stage:
+            stage = step // self.steps_per_stage
+            active = [d for d in self.stages if d > self.target]
+            if stage < len(active):
+                return active[stage]
+        return self.target

@@ -1,0 +1,226 @@
+"""Sparse payloads over groups of a flat vector.
+
+The flat vector of `numel` entries is cut into groups of `group_size` (the last one
+padded). Indices are group-local: uint8 when G <= 256, uint16 up to 65536, so an
+index costs one or two bytes whatever the model size.
+
+- `SparseGroups` ("group-topk"): exactly `k` entries in every group of a range;
+  what `GroupTopK` produces and what the `bounded` ring sends.
+- `GroupSparse` ("group-sparse"): a variable number of entries per group, CSR
+  style; the partial sums of the `exact` ring, whose supports grow by union.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from fedring.compression.payload import (
+    Decoded,
+    PayloadLimits,
+    WireArrays,
+    array,
+    finite,
+    meta_int,
+    meta_range,
+    no_extra,
+)
+from fedring.compression.values import WIRE_DTYPE, decode_values, dtype_name, from_numpy, to_numpy
+from fedring.wire.errors import FrameError, FrameReason
+
+MAX_GROUP_SIZE = 65536
+
+
+def n_groups(numel: int, group_size: int) -> int:
+    return -(-numel // group_size)
+
+
+def index_dtype(group_size: int) -> tuple[str, torch.dtype]:
+    """The narrowest index type for group-local indices."""
+    if group_size <= 256:
+        return "u1", torch.uint8
+    if group_size <= MAX_GROUP_SIZE:
+        return "u2", torch.uint16
+    raise ValueError(f"group_size {group_size} > {MAX_GROUP_SIZE}")
+
+
+def _positions(group_ids: torch.Tensor, local: torch.Tensor, group_size: int) -> torch.Tensor:
+    return group_ids.to(torch.int64) * group_size + local.to(torch.int64)
+
+
+def _scatter_add(out: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, alpha: float) -> None:
+    keep = pos < out.numel()  # padding of the last group
+    if not bool(keep.all()):
+        pos, vals = pos[keep], vals[keep]
+    out.index_add_(0, pos, vals, alpha=alpha)
+
+
+@dataclass(frozen=True, eq=False)
+class SparseGroups:
+    """Exactly `k` entries per group for groups ``[group_start, group_start + n)``."""
+
+    codec_id: ClassVar[str] = "group-topk"
+    numel: int
+    group_size: int
+    k: int
+    group_start: int
+    indices: torch.Tensor  # [n, k] uint8 or uint16, group-local
+    values: torch.Tensor  # [n, k] float32, float16, bfloat16 or int8
+    scales: torch.Tensor | None = None  # [n] float32, with int8 values
+
+    @property
+    def n(self) -> int:
+        return int(self.indices.shape[0])
+
+    @property
+    def wire_nbytes(self) -> int:
+        scales = 0 if self.scales is None else self.scales.numel() * 4
+        return self.indices.numel() * self.indices.element_size() + self.values.numel() * (
+            self.values.element_size()
+        ) + scales
+
+    def positions(self) -> torch.Tensor:
+        """Flat positions [n*k] (int64); may point past `numel` in the padded tail."""
+        groups = torch.arange(self.group_start, self.group_start + self.n)
+        return _positions(groups[:, None], self.indices, self.group_size).reshape(-1)
+
+    def dense_values(self) -> torch.Tensor:
+        return decode_values(self.values, self.scales).reshape(-1)
+
+    def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
+        _scatter_add(out, self.positions(), self.dense_values(), alpha)
+
+    def decompress(self) -> torch.Tensor:
+        out = torch.zeros(self.numel, dtype=torch.float32)
+        self.add_to(out)
+        return out
+
+    def to_wire(self) -> tuple[dict[str, Any], WireArrays]:
+        vdtype = dtype_name(self.values)
+        meta = {
+            "codec": self.codec_id,
+            "numel": self.numel,
+            "group_size": self.group_size,
+            "k": self.k,
+            "groups": [self.group_start, self.group_start + self.n],
+        }
+        idx_wire, _ = index_dtype(self.group_size)
+        arrays: WireArrays = [
+            ("idx", idx_wire, to_numpy(self.indices)),
+            ("val", WIRE_DTYPE[vdtype], to_numpy(self.values)),
+        ]
+        if self.scales is not None:
+            arrays.append(("scale", "f4", to_numpy(self.scales)))
+        return meta, arrays
+
+    @classmethod
+    def from_wire(cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits) -> SparseGroups:
+        numel = meta_int(meta, "numel", 1, limits.max_numel)
+        g = meta_int(meta, "group_size", 1, min(limits.max_group_size, MAX_GROUP_SIZE))
+        k = meta_int(meta, "k", 1, g)
+        g0, g1 = meta_range(meta, "groups", n_groups(numel, g))
+        n = g1 - g0
+        idx_wire, _ = index_dtype(g)
+        _, idx = array(arrays, "idx", (idx_wire,), (n, k))
+        vdt, val = array(arrays, "val", ("f4", "f2", "bf16", "i1"), (n, k))
+        names = {"idx", "val"}
+        scales = None
+        if vdt == "i1":
+            _, sc = array(arrays, "scale", ("f4",), (n,))
+            scales = torch.from_numpy(sc)
+            finite(scales, "int8 scales")
+            names.add("scale")
+        no_extra(arrays, names)
+        indices = from_numpy(idx, idx_wire)
+        if n and g < 65536 and int(idx.max()) >= g:
+            raise FrameError(FrameReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}")
+        values = from_numpy(val, vdt)
+        finite(values, "values")
+        return cls(numel, g, k, g0, indices, values, scales)
+
+
+@dataclass(frozen=True, eq=False)
+class GroupSparse:
+    """A variable number of entries per group for groups ``[group_start, + n)``."""
+
+    codec_id: ClassVar[str] = "group-sparse"
+    numel: int
+    group_size: int
+    group_start: int
+    counts: torch.Tensor  # [n] entries in each group
+    indices: torch.Tensor  # [nnz] group-local, grouped in group order
+    values: torch.Tensor  # [nnz] float32
+
+    @property
+    def n(self) -> int:
+        return int(self.counts.shape[0])
+
+    @property
+    def wire_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.counts, self.indices, self.values))
+
+    @classmethod
+    def from_dense(cls, x: torch.Tensor, group_size: int, groups: tuple[int, int]) -> GroupSparse:
+        """The non-zeros of `x` in groups ``[g0, g1)``; zeros add nothing to a sum."""
+        g0, g1 = groups
+        start = g0 * group_size
+        seg = x[start : min(g1 * group_size, x.numel())]
+        nz = torch.nonzero(seg).reshape(-1)
+        group_ids = torch.div(nz, group_size, rounding_mode="floor")
+        counts = torch.bincount(group_ids, minlength=g1 - g0)
+        _, idx_dtype = index_dtype(group_size)
+        local = (nz - group_ids * group_size).to(idx_dtype)
+        count_max = int(counts.max()) if counts.numel() else 0
+        count_dtype = torch.uint8 if count_max <= 255 else torch.int32
+        return cls(x.numel(), group_size, g0, counts.to(count_dtype), local, seg[nz].clone())
+
+    def positions(self) -> torch.Tensor:
+        groups = torch.arange(self.group_start, self.group_start + self.n)
+        group_ids = torch.repeat_interleave(groups, self.counts.to(torch.int64))
+        return _positions(group_ids, self.indices, self.group_size)
+
+    def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
+        _scatter_add(out, self.positions(), self.values, alpha)
+
+    def decompress(self) -> torch.Tensor:
+        out = torch.zeros(self.numel, dtype=torch.float32)
+        self.add_to(out)
+        return out
+
+    def to_wire(self) -> tuple[dict[str, Any], WireArrays]:
+        count_wire = "u1" if self.counts.dtype == torch.uint8 else "i4"
+        meta = {
+            "codec": self.codec_id,
+            "numel": self.numel,
+            "group_size": self.group_size,
+            "groups": [self.group_start, self.group_start + self.n],
+        }
+        idx_wire, _ = index_dtype(self.group_size)
+        return meta, [
+            ("count", count_wire, to_numpy(self.counts)),
+            ("idx", idx_wire, to_numpy(self.indices)),
+            ("val", "f4", to_numpy(self.values)),
+        ]
+
+    @classmethod
+    def from_wire(cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits) -> GroupSparse:
+        numel = meta_int(meta, "numel", 1, limits.max_numel)
+        g = meta_int(meta, "group_size", 1, min(limits.max_group_size, MAX_GROUP_SIZE))
+        g0, g1 = meta_range(meta, "groups", n_groups(numel, g))
+        _, counts = array(arrays, "count", ("u1", "i4"), (g1 - g0,))
+        if counts.size and (int(counts.min()) < 0 or int(counts.max()) > g):
+            raise FrameError(FrameReason.SHAPE_MISMATCH, f"a group count is outside [0, {g}]")
+        nnz = int(counts.sum(dtype=np.int64))
+        idx_wire, _ = index_dtype(g)
+        _, idx = array(arrays, "idx", (idx_wire,), (nnz,))
+        _, val = array(arrays, "val", ("f4",), (nnz,))
+        no_extra(arrays, {"count", "idx", "val"})
+        if nnz and int(idx.max()) >= g:
+            raise FrameError(FrameReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}")
+        values = torch.from_numpy(val)
+        finite(values, "values")
+        return cls(numel, g, g0, torch.from_numpy(counts), from_numpy(idx, idx_wire), values)

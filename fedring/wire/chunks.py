@@ -1,0 +1,120 @@
+"""Payloads larger than one frame: split into parts, reassemble, de-duplicate.
+
+A sender cuts a payload into bodies of at most `FrameLimits.max_body_bytes`; every
+part carries the same `meta` plus `msg` (the message id: the seq of part 0) and
+`payload_sha256`. The receiver collects parts per (src, msg), refuses anything
+inconsistent, and checks the digest of the joined payload. MQTT QoS 1 delivers at
+least once, so receivers also drop repeats by (src, seq).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedring.wire.errors import FrameError, FrameReason
+from fedring.wire.frame import Frame, FrameLimits
+from fedring.wire.integrity import sha256
+
+
+def split_payload(
+    template: Frame, payload: bytes, first_seq: int, limits: FrameLimits
+) -> list[Frame]:
+    """Frames for `payload`, numbered from `first_seq`; `template` gives the header."""
+    size = limits.max_body_bytes
+    n = max(1, math.ceil(len(payload) / size))
+    if n > limits.max_parts:
+        raise ValueError(f"payload of {len(payload)} bytes needs {n} parts > {limits.max_parts}")
+    meta = dict(template.meta)
+    meta["msg"] = first_seq
+    meta["payload_sha256"] = sha256(payload)
+    view = memoryview(payload)
+    return [
+        template.replace(
+            seq=first_seq + i, part=(i, n), meta=meta, body=bytes(view[i * size : (i + 1) * size])
+        )
+        for i in range(n)
+    ]
+
+
+@dataclass
+class _Pending:
+    n: int
+    digest: bytes
+    header: tuple[Any, ...]
+    parts: dict[int, bytes] = field(default_factory=dict)
+
+
+class Reassembler:
+    """Collects parts into payloads; bounded in pending messages and bytes."""
+
+    def __init__(self, limits: FrameLimits | None = None, max_pending: int = 64) -> None:
+        self.limits = limits or FrameLimits()
+        self.max_pending = max_pending
+        self._pending: OrderedDict[tuple[str, int], _Pending] = OrderedDict()
+
+    def add(self, frame: Frame) -> tuple[Frame, bytearray] | None:
+        """Return ``(first_part, payload)`` once `frame` completes a message."""
+        i, n = frame.part
+        msg = frame.meta.get("msg", frame.seq)
+        digest = frame.meta.get("payload_sha256")
+        if type(msg) is not int or not isinstance(digest, bytes) or len(digest) != 32:
+            if n == 1 and "payload_sha256" not in frame.meta:
+                return frame, bytearray(frame.body)
+            raise FrameError(FrameReason.BAD_PART, f"part {i}/{n} lacks msg or payload_sha256")
+        if frame.seq != msg + i:
+            raise FrameError(FrameReason.BAD_PART, f"part {i} has seq {frame.seq}, msg {msg}")
+        key = (frame.src, msg)
+        header = (frame.kind, frame.job, frame.round, frame.step, frame.phase, frame.dst)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._open(key, n, digest, header)
+        if (pending.n, pending.digest, pending.header) != (n, digest, header):
+            del self._pending[key]
+            raise FrameError(FrameReason.BAD_PART, f"part {i}/{n} disagrees with its siblings")
+        if len(frame.body) > self.limits.max_body_bytes:
+            raise FrameError(FrameReason.OVERSIZE, f"part body of {len(frame.body)} bytes")
+        pending.parts[i] = frame.body
+        if len(pending.parts) < n:
+            return None
+        del self._pending[key]
+        payload = bytearray().join(pending.parts[j] for j in range(n))
+        if sha256(payload) != digest:
+            raise FrameError(FrameReason.BAD_SHA256, f"payload msg={msg} from {frame.src!r}")
+        return frame.replace(part=(0, n), seq=msg), payload
+
+    def _open(self, key: tuple[str, int], n: int, digest: bytes, header: tuple[Any, ...]) -> _Pending:
+        if len(self._pending) >= self.max_pending:
+            self._pending.popitem(last=False)  # oldest incomplete message is abandoned
+        pending = _Pending(n=n, digest=digest, header=header)
+        self._pending[key] = pending
+        return pending
+
+    def pending(self) -> Iterator[tuple[str, int]]:
+        return iter(list(self._pending))
+
+
+class SeenWindow:
+    """Remembers recent (src, seq) pairs to drop at-least-once redeliveries."""
+
+    def __init__(self, window: int = 4096) -> None:
+        self.window = window
+        self._seen: dict[str, set[int]] = {}
+        self._high: dict[str, int] = {}
+
+    def first_time(self, src: str, seq: int) -> bool:
+        """True the first time (src, seq) is seen; False for a repeat or a too-old seq."""
+        high = self._high.get(src, -1)
+        seen = self._seen.setdefault(src, set())
+        if seq in seen or seq <= high - self.window:
+            return False
+        seen.add(seq)
+        if seq > high:
+            self._high[src] = seq
+            floor = seq - self.window
+            if len(seen) > 2 * self.window:
+                self._seen[src] = {s for s in seen if s > floor}
+        return True
