@@ -1,0 +1,159 @@
+"""Payloads to frames and back, between this endpoint and one named peer at a time.
+
+`PeerChannel.send` packs a payload into a body, splits it into frames below the
+frame limit, signs them with the job key, and hands them to the transport.
+`PeerChannel.recv` waits (with a deadline) for the payload a peer sent for one
+position in the schedule (round, step, phase). On the way it refuses and counts
+everything else: malformed frames, bad hashes or MACs, frames for another job,
+repeats of a (src, seq) already seen. Frames for a later position are kept until
+asked for. A refused frame never ends the wait: a good copy may still come; if
+none does, the timeout names the last refusal.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+from fedring.compression.payload import Payload, PayloadLimits
+from fedring.compression.registry import decode_payload
+from fedring.counters import Counters
+from fedring.transport.base import Deadline, Endpoint, MembershipEvent, TransportTimeout
+from fedring.wire.arrays import pack_arrays
+from fedring.wire.chunks import Reassembler, SeenWindow, split_payload
+from fedring.wire.errors import FrameError, FrameReason
+from fedring.wire.frame import Frame, FrameLimits, decode_frame, encode_frame
+
+log = logging.getLogger(__name__)
+
+Position = tuple[str, int, int, str]  # (src, round, step, phase)
+
+
+class CollectiveError(Exception):
+    """A collective could not complete: a peer died or went silent."""
+
+
+class PeerLost(CollectiveError):
+    def __init__(self, peer: str) -> None:
+        super().__init__(f"peer {peer!r} left or was lost")
+        self.peer = peer
+
+
+class CollectiveTimeout(CollectiveError):
+    pass
+
+
+class PeerChannel:
+    """Sends payloads as frames and receives them from peers, for one job."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        job: str,
+        key: bytes | None = None,
+        limits: FrameLimits | None = None,
+        payload_limits: PayloadLimits | None = None,
+        counters: Counters | None = None,
+        max_stash: int = 256,
+    ) -> None:
+        self.endpoint = endpoint
+        self.job = job
+        self.key = key
+        self.limits = limits or FrameLimits()
+        self.payload_limits = payload_limits or PayloadLimits()
+        self.counters = counters or Counters()
+        self.payload_bytes_sent = 0
+        self._seq = itertools.count()
+        self._seen = SeenWindow()
+        self._parts = Reassembler(self.limits)
+        self._stash: OrderedDict[Position, Payload] = OrderedDict()
+        self._max_stash = max_stash
+        self._last_refusal = ""
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.name
+
+    def send(
+        self, dst: str, payload: Payload, *, round: int, step: int, phase: str, deadline: Deadline
+    ) -> None:
+        meta, arrays = payload.to_wire()
+        spec, body = pack_arrays(arrays)
+        meta["arrays"] = spec
+        template = Frame(
+            kind="chunk", job=self.job, src=self.name, dst=dst, seq=0,
+            round=round, step=step, phase=phase, meta=meta,
+        )
+        frames = split_payload(template, body, next(self._seq), self.limits)
+        for _ in frames[1:]:
+            next(self._seq)
+        for frame in frames:
+            self.endpoint.send(dst, encode_frame(frame, self.key), deadline)
+        self.payload_bytes_sent += len(body)
+
+    def recv(
+        self,
+        src: str,
+        *,
+        round: int,
+        step: int,
+        phase: str,
+        deadline: Deadline,
+        accept: Callable[[Payload], None] | None = None,
+    ) -> Payload:
+        """The payload `src` sent for (round, step, phase); `accept` may refuse it."""
+        want: Position = (src, round, step, phase)
+        while True:
+            payload = self._stash.pop(want, None)
+            if payload is not None:
+                try:
+                    if accept is not None:
+                        accept(payload)
+                    return payload
+                except FrameError as exc:
+                    self._refuse(src, exc)
+            try:
+                item = self.endpoint.recv(deadline)
+            except TransportTimeout as exc:
+                self.counters.add("timeout")
+                last = f"; last refused frame: {self._last_refusal}" if self._last_refusal else ""
+                raise CollectiveTimeout(
+                    f"{self.name!r} waited for {phase} step {step} of round {round} from {src!r}{last}"
+                ) from exc
+            if isinstance(item, MembershipEvent):
+                if item.kind in ("left", "lost") and item.name == src:
+                    self.counters.add("peer_lost")
+                    raise PeerLost(src)
+                continue
+            self._take(item.src, item.data)
+
+    def _take(self, sender: str, data: bytes) -> None:
+        """Decode one delivery into the stash, or refuse and count it."""
+        try:
+            frame = decode_frame(data, self.key, self.limits)
+            if sender and frame.src != sender:  # "" where a transport cannot tell
+                raise FrameError(FrameReason.UNEXPECTED, f"frame claims src {frame.src!r}, came from {sender!r}")
+            if frame.job != self.job or frame.dst not in (self.name, "*"):
+                raise FrameError(FrameReason.UNEXPECTED, f"frame for job {frame.job!r} to {frame.dst!r}")
+            if not self._seen.first_time(frame.src, frame.seq):
+                self.counters.add("duplicate")
+                return
+            done = self._parts.add(frame)
+            if done is None:
+                return
+            head, body = done
+            payload = decode_payload(head.meta, body, self.payload_limits)
+        except FrameError as exc:
+            self._refuse(sender, exc)
+            return
+        if len(self._stash) >= self._max_stash:
+            self._stash.popitem(last=False)
+            self.counters.add("stash_evicted")
+        self._stash[(head.src, head.round, head.step, head.phase)] = payload
+
+    def _refuse(self, sender: str, exc: FrameError) -> None:
+        self.counters.add(f"frame_{exc.reason.value}")
+        self._last_refusal = f"{exc} (from {sender!r})"
+        log.warning("%s refused a frame from %s: %s", self.name, sender, exc)

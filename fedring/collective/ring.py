@@ -1,0 +1,171 @@
+"""Ring all-reduce, dense and sparse (SEEDS part C, step 3).
+
+N members form a ring in a fixed order. The vector is cut into N contiguous chunks
+(aligned to group boundaries for sparse payloads, so every chunk carries the same
+number of entries). Reduce-scatter: in step s (0..N-2) member r sends chunk
+(r - s) mod N to its right neighbour and adds what arrives from its left into
+chunk (r - s - 1) mod N; after N-1 steps member r holds chunk (r + 1) mod N fully
+reduced. All-gather: N-1 more steps circulate the reduced chunks unchanged, so
+every member ends with the same bits.
+
+Sparse policies for group-top-k input:
+
+- ``exact``: partial sums carry the union of supports (up to min(G, hops*k) per
+  group); the result equals the dense sum of the sparse inputs.
+- ``bounded``: before every send, and once more for the reduced chunk, the member
+  re-selects the top-k of each group of its accumulated chunk and keeps the rest.
+  Bytes per member stay 2(N-1)/N of one compressed gradient whatever N is.
+
+Conservation invariant of ``bounded`` (nothing dropped is lost): every hop keeps
+``accumulated - decompress(sent)`` computed exactly (see `values.exactify`), so
+
+    sum over members of the sparse inputs == result + sum over members of kept
+
+holds term by term; with inputs whose sums are exact in fp32 (as in the tests) it
+holds bit for bit. Callers add `kept` to their error-feedback residual.
+
+A DGC-style sparse all-gather (every member's whole payload forwarded around the
+ring, bytes growing with N) is here as the baseline the benchmarks compare with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from fedring.collective.channel import PeerChannel
+from fedring.compression.group_topk import GroupTopK
+from fedring.compression.payload import Payload
+from fedring.compression.quantize import DenseChunk
+from fedring.compression.sparse import GroupSparse, SparseGroups, n_groups
+from fedring.compression.values import dtype_name
+from fedring.transport.base import Deadline
+from fedring.wire.errors import FrameError, FrameReason
+
+SparsePolicy = Literal["exact", "bounded"]
+
+
+def chunk_bounds(units: int, world: int) -> list[tuple[int, int]]:
+    """Split ``range(units)`` into `world` contiguous, nearly equal ranges."""
+    return [(i * units // world, (i + 1) * units // world) for i in range(world)]
+
+
+@dataclass
+class Ring:
+    """One member's view of a ring: its channel, the order, and a per-step timeout."""
+
+    channel: PeerChannel
+    members: tuple[str, ...]
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.channel.name not in self.members:
+            raise ValueError(f"{self.channel.name!r} is not in the ring {self.members}")
+        if len(set(self.members)) != len(self.members):
+            raise ValueError(f"ring members repeat: {self.members}")
+        self.rank = self.members.index(self.channel.name)
+        self.world = len(self.members)
+        self.right = self.members[(self.rank + 1) % self.world]
+        self.left = self.members[(self.rank - 1) % self.world]
+
+    def exchange(
+        self, payload: Payload, *, round: int, step: int, phase: str, expect: type, span: tuple[int, int]
+    ) -> Payload:
+        """Send `payload` right, return the left neighbour's payload for this step."""
+        deadline = Deadline.after(self.timeout_s)
+        self.channel.send(self.right, payload, round=round, step=step, phase=phase, deadline=deadline)
+
+        def accept(p: Payload) -> None:
+            got = _span(p)
+            if not isinstance(p, expect) or got != span or p.numel != payload.numel:
+                raise FrameError(
+                    FrameReason.UNEXPECTED,
+                    f"{phase} step {step}: got {type(p).__name__} {got}, expected {expect.__name__} {span}",
+                )
+
+        return self.channel.recv(
+            self.left, round=round, step=step, phase=phase, deadline=deadline, accept=accept
+        )
+
+    def allreduce_dense(self, x: torch.Tensor, *, round: int = 0) -> torch.Tensor:
+        """Sum of the members' flat float32 vectors (the uncompressed baseline)."""
+        acc = x.detach().reshape(-1).to(torch.float32).clone()
+        bounds = chunk_bounds(acc.numel(), self.world)
+
+        def chunk(c: int) -> DenseChunk:
+            a, b = bounds[c]
+            return DenseChunk(acc.numel(), a, acc[a:b].clone())
+
+        for s in range(self.world - 1):
+            send_c, recv_c = (self.rank - s) % self.world, (self.rank - s - 1) % self.world
+            got = self.exchange(chunk(send_c), round=round, step=s, phase="rs", expect=DenseChunk, span=bounds[recv_c])
+            got.add_to(acc)
+        for s in range(self.world - 1):
+            send_c, recv_c = (self.rank + 1 - s) % self.world, (self.rank - s) % self.world
+            got = self.exchange(chunk(send_c), round=round, step=s, phase="ag", expect=DenseChunk, span=bounds[recv_c])
+            a, b = bounds[recv_c]
+            acc[a:b].copy_(got.values)  # type: ignore[attr-defined]
+        return acc
+
+    def allreduce_sparse(
+        self, sparse: SparseGroups, *, policy: SparsePolicy = "bounded", round: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of the members' group-top-k payloads; returns ``(sum, kept)``.
+
+        `kept` is zero for ``exact``; for ``bounded`` it is what this member's
+        re-selections dropped, to be added to its error-feedback residual.
+        """
+        if policy not in ("exact", "bounded"):
+            raise ValueError(f"policy {policy!r} is not 'exact' or 'bounded'")
+        g = sparse.group_size
+        acc = sparse.decompress()
+        kept = torch.zeros_like(acc)
+        bounds = chunk_bounds(n_groups(sparse.numel, g), self.world)
+        topk = GroupTopK(g, sparse.k, dtype_name(sparse.values))
+        expect: type = SparseGroups if policy == "bounded" else GroupSparse
+
+        def reduce_chunk(c: int) -> Payload:
+            if policy == "exact":
+                return GroupSparse.from_dense(acc, g, bounds[c])
+            sent = topk.compress(acc, groups=bounds[c])
+            a, b = bounds[c][0] * g, min(bounds[c][1] * g, acc.numel())
+            kept[a:b].add_(acc[a:b])
+            sent.add_to(kept, alpha=-1.0)  # exact: kept == accumulated - sent
+            return sent
+
+        for s in range(self.world - 1):
+            send_c, recv_c = (self.rank - s) % self.world, (self.rank - s - 1) % self.world
+            got = self.exchange(reduce_chunk(send_c), round=round, step=s, phase="rs", expect=expect, span=bounds[recv_c])
+            got.add_to(acc)
+        out = torch.zeros_like(acc)
+        current = reduce_chunk((self.rank + 1) % self.world)
+        current.add_to(out)
+        for s in range(self.world - 1):
+            recv_c = (self.rank - s) % self.world
+            current = self.exchange(current, round=round, step=s, phase="ag", expect=expect, span=bounds[recv_c])
+            current.add_to(out)
+        return out, kept
+
+    def allgather_sparse(self, sparse: SparseGroups, *, round: int = 0) -> torch.Tensor:
+        """Baseline: forward every member's whole payload around the ring and sum."""
+        whole = (0, n_groups(sparse.numel, sparse.group_size))
+        received: dict[int, Payload] = {self.rank: sparse}
+        current: Payload = sparse
+        for s in range(self.world - 1):
+            current = self.exchange(current, round=round, step=s, phase="gather", expect=SparseGroups, span=whole)
+            received[(self.rank - s - 1) % self.world] = current
+        out = torch.zeros(sparse.numel, dtype=torch.float32)
+        for origin in range(self.world):  # same order everywhere: same bits everywhere
+            received[origin].add_to(out)
+        return out
+
+
+def _span(p: Payload) -> tuple[int, int]:
+    if isinstance(p, DenseChunk):
+        return p.start, p.start + p.values.numel()
+    if isinstance(p, (SparseGroups, GroupSparse)):
+        return p.group_start, p.group_start + p.n
+    start, length = getattr(p, "start", -1), getattr(p, "length", 0)
+    return start, start + length
