@@ -52,9 +52,16 @@ def run_local_ring(
     counters = Counters()
     channels = [PeerChannel(hub.connect(n), job, key=key, limits=limits, counters=counters) for n in names]
     rings = [Ring(ch, names, timeout_s=timeout_s) for ch in channels]
+    def member(ring: Ring) -> T:
+        try:
+            return fn(ring)
+        except BaseException:
+            ring.channel.endpoint.close()  # neighbours see 'left' and fail fast too
+            raise
+
     try:
         with ThreadPoolExecutor(max_workers=world, thread_name_prefix="ring") as pool:
-            futures = [pool.submit(fn, ring) for ring in rings]
+            futures = [pool.submit(member, ring) for ring in rings]
             results = [f.result() for f in futures]
     finally:
         for ch in channels:

@@ -76,7 +76,7 @@ class ErrorFeedback:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Plain tensors only, so checkpoints load with ``weights_only=True``."""
-        state = {"residual": self.residual.clone(), "momentum": torch.tensor(self.momentum)}
+        state = {"residual": self.residual.clone(), "momentum": torch.tensor(self.momentum, dtype=torch.float64)}
         if self.velocity is not None:
             state["velocity"] = self.velocity.clone()
         return state

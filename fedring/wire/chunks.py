@@ -1,8 +1,9 @@
 """Payloads larger than one frame: split into parts, reassemble, de-duplicate.
 
-A sender cuts a payload into bodies of at most `FrameLimits.max_body_bytes`; every
-part carries the same `meta` plus `msg` (the message id: the seq of part 0) and
-`payload_sha256`. The receiver collects parts per (src, msg), refuses anything
+A sender cuts a payload into bodies of at most `FrameLimits.max_body_bytes`; when
+it takes more than one, every part carries the same `meta` plus `msg` (the message
+id: the seq of part 0) and `payload_sha256`. A one-part payload needs neither: the
+frame's own sha256 covers it. The receiver collects parts per (src, msg), refuses anything
 inconsistent, and checks the digest of the joined payload. MQTT QoS 1 delivers at
 least once, so receivers also drop repeats by (src, seq).
 """
@@ -28,6 +29,8 @@ def split_payload(
     n = max(1, math.ceil(len(payload) / size))
     if n > limits.max_parts:
         raise ValueError(f"payload of {len(payload)} bytes needs {n} parts > {limits.max_parts}")
+    if n == 1:  # the frame's own sha256 covers the whole payload
+        return [template.replace(seq=first_seq, part=(0, 1), body=bytes(payload))]
     meta = dict(template.meta)
     meta["msg"] = first_seq
     meta["payload_sha256"] = sha256(payload)

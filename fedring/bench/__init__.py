@@ -1,0 +1,1 @@
+"""Benchmarks behind `fedring bench`: ours beside the baselines, measured in one run."""

@@ -1,0 +1,128 @@
+"""Ring all-reduce over real frames: equal to the dense reference, same bits everywhere."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fedring.collective import chunk_bounds, majority_vote, run_local_ring
+from fedring.compression import GroupTopK
+from tests.strategies import flat_vectors
+
+worlds = st.integers(1, 8)
+group_sizes = st.sampled_from([1, 3, 64, 256, 300])
+
+
+def _inputs(data: st.DataObject, world: int, dyadic: bool = False) -> list[torch.Tensor]:
+    first = data.draw(flat_vectors(max_numel=2500, dyadic=dyadic))
+    rest = [data.draw(flat_vectors(max_numel=first.numel(), dyadic=dyadic)) for _ in range(world - 1)]
+    return [first] + [torch.cat([r, r.new_zeros(first.numel() - r.numel())])[: first.numel()] for r in rest]
+
+
+def _same_everywhere(results: list[torch.Tensor]) -> bool:
+    return all(torch.equal(r, results[0]) for r in results)
+
+
+@given(world=worlds, data=st.data())
+def test_dense_ring_equals_the_sum(world: int, data: st.DataObject) -> None:
+    xs = _inputs(data, world)
+    ref = torch.stack([x.double() for x in xs]).sum(0)
+    run = run_local_ring(world, lambda ring: ring.allreduce_dense(xs[ring.rank]), key=b"k")
+    assert _same_everywhere(run.results)
+    torch.testing.assert_close(run.results[0].double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30)
+
+
+@given(world=worlds, g=group_sizes, data=st.data())
+def test_exact_sparse_ring_equals_the_sum_of_sparse_inputs(world: int, g: int, data: st.DataObject) -> None:
+    xs = _inputs(data, world)
+    topk = GroupTopK(g, data.draw(st.integers(1, min(g, 5))))
+    sparse = [topk.compress(x) for x in xs]
+    ref = torch.stack([s.decompress().double() for s in sparse]).sum(0)
+    run = run_local_ring(world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="exact"))
+    outs = [r[0] for r in run.results]
+    assert _same_everywhere(outs)
+    assert all(not bool(r[1].any()) for r in run.results)  # exact keeps nothing back
+    torch.testing.assert_close(outs[0].double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30)
+
+
+@given(world=worlds, g=group_sizes, dtype=st.sampled_from(["fp32", "fp16"]), data=st.data())
+def test_bounded_ring_conserves_every_dropped_entry_exactly(
+    world: int, g: int, dtype: str, data: st.DataObject
+) -> None:
+    xs = _inputs(data, world, dyadic=True)  # sums exact in fp32: the invariant must hold bit for bit
+    topk = GroupTopK(g, data.draw(st.integers(1, min(g, 4))), dtype)  # type: ignore[arg-type]
+    sparse = [topk.compress(x) for x in xs]
+    run = run_local_ring(world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded"))
+    outs, kept = [r[0] for r in run.results], [r[1] for r in run.results]
+    assert _same_everywhere(outs)
+    inputs_total = torch.stack([s.decompress() for s in sparse]).sum(0)
+    assert torch.equal(outs[0] + torch.stack(kept).sum(0), inputs_total)
+    groups = -(-xs[0].numel() // g)
+    assert int((outs[0] != 0).sum()) <= groups * topk.k  # still k per group
+
+
+@given(world=worlds, g=group_sizes, data=st.data())
+def test_bounded_conservation_with_arbitrary_floats(world: int, g: int, data: st.DataObject) -> None:
+    xs = _inputs(data, world)
+    sparse = [GroupTopK(g, 1).compress(x) for x in xs]
+    run = run_local_ring(world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded"))
+    total = run.results[0][0].double() + sum(r[1].double() for r in run.results)
+    ref = torch.stack([s.decompress().double() for s in sparse]).sum(0)
+    torch.testing.assert_close(total, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30)
+
+
+@given(world=worlds, data=st.data())
+def test_sparse_allgather_baseline_equals_the_sum(world: int, data: st.DataObject) -> None:
+    xs = _inputs(data, world)
+    sparse = [GroupTopK(64, 2).compress(x) for x in xs]
+    ref = torch.stack([s.decompress().double() for s in sparse]).sum(0)
+    run = run_local_ring(world, lambda ring: ring.allgather_sparse(sparse[ring.rank]))
+    assert _same_everywhere(run.results)
+    torch.testing.assert_close(run.results[0].double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30)
+
+
+@given(world=worlds, data=st.data())
+def test_majority_vote_is_the_sign_of_the_sum_of_signs(world: int, data: st.DataObject) -> None:
+    xs = _inputs(data, world)
+    ref = torch.sign(torch.stack([torch.sign(x) for x in xs]).sum(0)).to(torch.int8)
+    run = run_local_ring(world, lambda ring: majority_vote(ring, xs[ring.rank]))
+    assert all(torch.equal(v, ref) for v in run.results)
+
+
+def test_large_groups_and_k_one() -> None:
+    xs = [torch.randn(200_003, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    sparse = [GroupTopK(65536, 1).compress(x) for x in xs]
+    ref = torch.stack([s.decompress() for s in sparse]).sum(0)
+    run = run_local_ring(3, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="exact"))
+    torch.testing.assert_close(run.results[0][0], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_payloads_larger_than_a_frame_are_split_and_rejoined() -> None:
+    xs = [torch.randn(300_000) for _ in range(2)]
+    run = run_local_ring(2, lambda ring: ring.allreduce_dense(xs[ring.rank]))
+    torch.testing.assert_close(run.results[0], xs[0] + xs[1])
+    assert run.stats[0].frames_sent > 2  # 600 KB chunks in 256 KiB frames
+
+
+def test_bounded_bytes_per_agent_do_not_grow_with_the_ring() -> None:
+    numel, topk = 64 * 256 * 16, GroupTopK(256, 3, "fp16")
+    per_agent = {}
+    for world in (2, 4, 8):
+        xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(world)]
+        sparse = [topk.compress(x) for x in xs]
+        run = run_local_ring(world, lambda ring, s=sparse: ring.allreduce_sparse(s[ring.rank]))
+        per_agent[world] = sum(run.payload_bytes) / world
+        one_payload = sparse[0].wire_nbytes
+        assert per_agent[world] <= 2 * (world - 1) / world * one_payload * 1.01
+    assert per_agent[8] < 2 * per_agent[2]
+
+
+def test_chunk_bounds_cover_everything_in_order() -> None:
+    for units in (0, 1, 5, 17, 1000):
+        for world in (1, 2, 3, 8, 16):
+            bounds = chunk_bounds(units, world)
+            assert bounds[0][0] == 0 and bounds[-1][1] == units
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            sizes = [b - a for a, b in bounds]
+            assert max(sizes) - min(sizes) <= 1

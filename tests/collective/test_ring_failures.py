@@ -1,0 +1,100 @@
+"""A ring that loses a member, goes silent, or gets bad frames fails fast and says why."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from fedring.collective import CollectiveTimeout, PeerChannel, PeerLost, Ring
+from fedring.counters import Counters
+from fedring.transport import InprocTransport
+
+
+def _ring(hub: InprocTransport, names: tuple[str, ...], me: str, key: bytes, timeout_s: float,
+          counters: Counters | None = None) -> Ring:
+    return Ring(PeerChannel(hub.connect(me), "job", key=key, counters=counters), names, timeout_s=timeout_s)
+
+
+def test_a_killed_neighbour_is_seen_at_once_not_at_the_deadline() -> None:
+    hub = InprocTransport()
+    names = ("a", "b", "c")
+    rings = {n: _ring(hub, names, n, b"k", timeout_s=30.0) for n in names[:2]}
+    hub.connect("c")  # connected, but never sends: it will be killed mid-round
+    errors: dict[str, BaseException] = {}
+
+    def member(name: str) -> None:
+        try:
+            rings[name].allreduce_dense(torch.ones(300))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertions
+            errors[name] = exc
+            rings[name].channel.endpoint.close()  # as a failed agent leaves the ring
+
+    threads = [threading.Thread(target=member, args=(n,)) for n in rings]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    hub.kill("c")
+    for t in threads:
+        t.join(10)
+    assert isinstance(errors["a"], PeerLost) and errors["a"].peer == "c"  # c is a's left
+    assert isinstance(errors["b"], PeerLost) and errors["b"].peer == "a"  # then a left b's side
+    assert time.monotonic() - start < 5  # far below the 30 s deadline
+    assert rings["a"].channel.counters.get("peer_lost") == 1
+
+
+def test_a_silent_neighbour_times_out_at_the_deadline() -> None:
+    hub = InprocTransport()
+    ring = _ring(hub, ("a", "b"), "a", b"k", timeout_s=0.3)
+    hub.connect("b")
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match="from 'b'"):
+        ring.allreduce_dense(torch.ones(4))
+    assert 0.25 < time.monotonic() - start < 3
+    assert ring.channel.counters.get("timeout") == 1
+
+
+def test_frames_with_a_bad_mac_are_refused_counted_and_named_in_the_timeout() -> None:
+    hub = InprocTransport()
+    counters = Counters()
+    a = _ring(hub, ("a", "b"), "a", b"right-key", timeout_s=0.5, counters=counters)
+    b = _ring(hub, ("a", "b"), "b", b"wrong-key", timeout_s=0.5)
+    result: dict[str, BaseException] = {}
+
+    def run_b() -> None:
+        try:
+            b.allreduce_dense(torch.ones(4))
+        except BaseException as exc:  # noqa: BLE001
+            result["b"] = exc
+
+    t = threading.Thread(target=run_b)
+    t.start()
+    with pytest.raises(CollectiveTimeout, match="bad_mac"):
+        a.allreduce_dense(torch.ones(4))
+    t.join(5)
+    assert counters.get("frame_bad_mac") >= 1
+
+
+def test_a_payload_of_the_wrong_shape_is_refused() -> None:
+    hub = InprocTransport()
+    counters = Counters()
+    a = _ring(hub, ("a", "b"), "a", b"k", timeout_s=0.5, counters=counters)
+    b = _ring(hub, ("a", "b"), "b", b"k", timeout_s=0.5)
+    t = threading.Thread(target=lambda: pytest.raises(Exception, b.allreduce_dense, torch.ones(10)))
+    t.start()
+    with pytest.raises(CollectiveTimeout, match="unexpected"):
+        a.allreduce_dense(torch.ones(8))  # b sends chunks of a 10-entry vector
+    t.join(5)
+    assert counters.get("frame_unexpected") >= 1
+
+
+def test_ring_membership_is_checked() -> None:
+    hub = InprocTransport()
+    ch = PeerChannel(hub.connect("x"), "job")
+    with pytest.raises(ValueError, match="not in the ring"):
+        Ring(ch, ("a", "b"))
+    with pytest.raises(ValueError, match="repeat"):
+        Ring(ch, ("x", "a", "x"))
