@@ -1,6 +1,6 @@
 """Group-top-k beside global top-k compressors; same as `fedring bench compress`.
 
-    python bench/compress.py --numel 10000000 --density 0.01 [--json]
+python bench/compress.py --numel 10000000 --density 0.01 [--json]
 """
 
 import sys

@@ -52,7 +52,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log refused frames and retries."),
 ) -> None:
     logging.basicConfig(
@@ -71,9 +73,15 @@ def _emit(result: dict[str, Any], as_json: bool, table: Table) -> None:
 @bench_app.command("compress")
 def bench_compress(
     numel: int = typer.Option(10_000_000, min=1, help="Length of the flat gradient."),
-    density: float = typer.Option(0.01, min=1e-6, max=1.0, help="Fraction of entries kept; k = round(density*G)."),
-    group_size: int = typer.Option(256, min=1, max=65536, help="G: entries per group (<=256: uint8 indices)."),
-    value_dtype: ValueDtypeChoice = typer.Option(ValueDtypeChoice.fp16, help="Wire dtype of kept values."),
+    density: float = typer.Option(
+        0.01, min=1e-6, max=1.0, help="Fraction of entries kept; k = round(density*G)."
+    ),
+    group_size: int = typer.Option(
+        256, min=1, max=65536, help="G: entries per group (<=256: uint8 indices)."
+    ),
+    value_dtype: ValueDtypeChoice = typer.Option(
+        ValueDtypeChoice.fp16, help="Wire dtype of kept values."
+    ),
     repeats: int = typer.Option(5, min=1, help="Timing runs; the best is reported."),
     seed: int = typer.Option(0, help="Seed of the random gradient."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
@@ -82,25 +90,55 @@ def bench_compress(
     from fedring.bench import compress
 
     r = compress.run(numel, density, group_size, value_dtype.value, repeats, seed)
-    table = Table(title=f"compress {numel:,} fp32, density {density} (k={r['k']} of G={group_size})")
+    table = Table(
+        title=f"compress {numel:,} fp32, density {density} (k={r['k']} of G={group_size})"
+    )
     for col in ("", "fedring group-top-k", "global torch.topk", "DGC sampled"):
         table.add_column(col, justify="right")
-    table.add_row("select+encode ms", f"{r['group_topk_ms']:.1f}", f"{r['global_topk_ms']:.1f}", f"{r['dgc_sampled_ms']:.1f}")
-    table.add_row("speed-up", f"{r['speedup_vs_global_topk']:.1f}x", "1.0x", f"{r['global_topk_ms'] / r['dgc_sampled_ms']:.1f}x")
-    table.add_row("bytes", f"{r['bytes_compressed']:,} (wire)", f"{r['bytes_global_topk']:,} (payload)", "")
-    table.add_row("dense fp32 / bytes", f"{r['compression_ratio']:.1f}x", f"{r['bytes_dense_fp32'] / r['bytes_global_topk']:.1f}x", "")
-    table.add_row("energy kept", f"{r['energy_kept_group_topk']:.3f}", f"{r['energy_kept_global_topk']:.3f}", "")
+    table.add_row(
+        "select+encode ms",
+        f"{r['group_topk_ms']:.1f}",
+        f"{r['global_topk_ms']:.1f}",
+        f"{r['dgc_sampled_ms']:.1f}",
+    )
+    table.add_row(
+        "speed-up",
+        f"{r['speedup_vs_global_topk']:.1f}x",
+        "1.0x",
+        f"{r['global_topk_ms'] / r['dgc_sampled_ms']:.1f}x",
+    )
+    table.add_row(
+        "bytes", f"{r['bytes_compressed']:,} (wire)", f"{r['bytes_global_topk']:,} (payload)", ""
+    )
+    table.add_row(
+        "dense fp32 / bytes",
+        f"{r['compression_ratio']:.1f}x",
+        f"{r['bytes_dense_fp32'] / r['bytes_global_topk']:.1f}x",
+        "",
+    )
+    table.add_row(
+        "energy kept",
+        f"{r['energy_kept_group_topk']:.3f}",
+        f"{r['energy_kept_global_topk']:.3f}",
+        "",
+    )
     _emit(r, as_json, table)
 
 
 @bench_app.command("ring")
 def bench_ring(
-    agents: int = typer.Option(8, min=1, max=256, help="The ring size of interest (always measured)."),
-    sweep: str = typer.Option("2,4,8,16", help="More ring sizes to show how bytes scale with N ('' for none)."),
+    agents: int = typer.Option(
+        8, min=1, max=256, help="The ring size of interest (always measured)."
+    ),
+    sweep: str = typer.Option(
+        "2,4,8,16", help="More ring sizes to show how bytes scale with N ('' for none)."
+    ),
     numel: int = typer.Option(1_000_000, min=1, help="Length of each agent's flat gradient."),
     density: float = typer.Option(0.01, min=1e-6, max=1.0, help="Fraction kept per group."),
     group_size: int = typer.Option(256, min=1, max=65536, help="G: entries per group."),
-    value_dtype: ValueDtypeChoice = typer.Option(ValueDtypeChoice.fp16, help="Wire dtype of kept values."),
+    value_dtype: ValueDtypeChoice = typer.Option(
+        ValueDtypeChoice.fp16, help="Wire dtype of kept values."
+    ),
     seed: int = typer.Option(0, help="Seed of the agents' random gradients."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
@@ -118,15 +156,27 @@ def bench_ring(
     worlds = sorted({agents, *sizes})
     with Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
         task = progress.add_task("ring sizes", total=len(worlds))
-        r = ring.run(agents, sizes, numel, density, group_size, value_dtype.value, seed,
-                     on_row=lambda _: progress.advance(task))
-    table = Table(title=f"bytes sent per agent, {numel:,} entries, density {density}, G={group_size}")
+        r = ring.run(
+            agents,
+            sizes,
+            numel,
+            density,
+            group_size,
+            value_dtype.value,
+            seed,
+            on_row=lambda _: progress.advance(task),
+        )
+    table = Table(
+        title=f"bytes sent per agent, {numel:,} entries, density {density}, G={group_size}"
+    )
     table.add_column("N", justify="right")
     for scheme in ("dense", "exact", "bounded", "allgather_dgc"):
         table.add_column(f"{scheme} (x less)", justify="right")
     for row in r["results"]:
-        cells = [f"{row[s]['bytes_per_agent']:,.0f} ({row[s]['ratio_vs_dense']:.1f}x)"
-                 for s in ("dense", "exact", "bounded", "allgather_dgc")]
+        cells = [
+            f"{row[s]['bytes_per_agent']:,.0f} ({row[s]['ratio_vs_dense']:.1f}x)"
+            for s in ("dense", "exact", "bounded", "allgather_dgc")
+        ]
         table.add_row(str(row["agents"]), *cells)
     _emit(r, as_json, table)
 

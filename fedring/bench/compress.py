@@ -21,8 +21,8 @@ import torch
 from fedring.bench.timing import best_ms
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
-from fedring.compression.registry import decode_payload
 from fedring.compression.payload import PayloadLimits
+from fedring.compression.registry import decode_payload
 from fedring.compression.values import BYTES_PER_VALUE, ValueDtype, torch_dtype
 from fedring.wire.arrays import pack_arrays
 from fedring.wire.chunks import Reassembler, split_payload
@@ -31,13 +31,17 @@ from fedring.wire.frame import Frame, FrameLimits, decode_frame, encode_frame
 _KEY = b"bench-job-key"
 
 
-def global_topk(x: torch.Tensor, k: int, value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def global_topk(
+    x: torch.Tensor, k: int, value_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The GRACE/DGC baseline compressor."""
     _, idx = torch.topk(x.abs(), k, sorted=False)
     return idx.to(torch.int32), x.gather(0, idx).to(value_dtype)
 
 
-def sampled_threshold(x: torch.Tensor, k: int, value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def sampled_threshold(
+    x: torch.Tensor, k: int, value_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DGC's sampling: threshold from a 1% sample, then a mask over the vector."""
     n = x.numel()
     sample = x[torch.randint(0, n, (max(1, n // 100),), generator=torch.Generator().manual_seed(0))]
@@ -82,7 +86,7 @@ def run(
     wire_bytes = sum(len(f) for f in frames)
     ef = ErrorFeedback(numel)
     out = torch.zeros(numel)
-    idx_g, val_g = global_topk(x, k_global, vt)
+    idx_g, _ = global_topk(x, k_global, vt)
     energy = float(x.pow(2).sum())
     result: dict[str, Any] = {
         "numel": numel,

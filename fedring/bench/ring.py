@@ -36,12 +36,16 @@ def _measure(world: int, fn: Callable[[Ring], Any]) -> tuple[dict[str, Any], lis
         "max_bytes_per_agent": max(sent),
         "frames_per_agent": sum(s.frames_sent for s in run.stats) / world,
         "wall_ms": wall * 1e3,
-        "refused_frames": sum(v for k, v in run.counters.snapshot().items() if k.startswith("frame_")),
+        "refused_frames": sum(
+            v for k, v in run.counters.snapshot().items() if k.startswith("frame_")
+        ),
     }, run.results
 
 
 def run_one(world: int, numel: int, compressor: GroupTopK, seed: int) -> dict[str, Any]:
-    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + i)) for i in range(world)]
+    xs = [
+        torch.randn(numel, generator=torch.Generator().manual_seed(seed + i)) for i in range(world)
+    ]
     sparse = [compressor.compress(x) for x in xs]
     dense_ref = torch.stack([x.double() for x in xs]).sum(0)
     sparse_ref = torch.stack([s.decompress().double() for s in sparse]).sum(0)

@@ -83,8 +83,15 @@ class PeerChannel:
         spec, body = pack_arrays(arrays)
         meta["arrays"] = spec
         template = Frame(
-            kind="chunk", job=self.job, src=self.name, dst=dst, seq=0,
-            round=round, step=step, phase=phase, meta=meta,
+            kind="chunk",
+            job=self.job,
+            src=self.name,
+            dst=dst,
+            seq=0,
+            round=round,
+            step=step,
+            phase=phase,
+            meta=meta,
         )
         frames = split_payload(template, body, next(self._seq), self.limits)
         for _ in frames[1:]:
@@ -120,7 +127,8 @@ class PeerChannel:
                 self.counters.add("timeout")
                 last = f"; last refused frame: {self._last_refusal}" if self._last_refusal else ""
                 raise CollectiveTimeout(
-                    f"{self.name!r} waited for {phase} step {step} of round {round} from {src!r}{last}"
+                    f"{self.name!r} waited for {phase} step {step} of round {round} "
+                    f"from {src!r}{last}"
                 ) from exc
             if isinstance(item, MembershipEvent):
                 if item.kind in ("left", "lost") and item.name == src:
@@ -134,9 +142,13 @@ class PeerChannel:
         try:
             frame = decode_frame(data, self.key, self.limits)
             if sender and frame.src != sender:  # "" where a transport cannot tell
-                raise FrameError(FrameReason.UNEXPECTED, f"frame claims src {frame.src!r}, came from {sender!r}")
+                raise FrameError(
+                    FrameReason.UNEXPECTED, f"frame claims src {frame.src!r}, came from {sender!r}"
+                )
             if frame.job != self.job or frame.dst not in (self.name, "*"):
-                raise FrameError(FrameReason.UNEXPECTED, f"frame for job {frame.job!r} to {frame.dst!r}")
+                raise FrameError(
+                    FrameReason.UNEXPECTED, f"frame for job {frame.job!r} to {frame.dst!r}"
+                )
             if not self._seen.first_time(frame.src, frame.seq):
                 self.counters.add("duplicate")
                 return

@@ -50,8 +50,11 @@ def run_local_ring(
     hub = transport or InprocTransport()
     names = tuple(f"agent-{i}" for i in range(world))
     counters = Counters()
-    channels = [PeerChannel(hub.connect(n), job, key=key, limits=limits, counters=counters) for n in names]
+    channels = [
+        PeerChannel(hub.connect(n), job, key=key, limits=limits, counters=counters) for n in names
+    ]
     rings = [Ring(ch, names, timeout_s=timeout_s) for ch in channels]
+
     def member(ring: Ring) -> T:
         try:
             return fn(ring)

@@ -71,18 +71,28 @@ class Ring:
         self.left = self.members[(self.rank - 1) % self.world]
 
     def exchange(
-        self, payload: Payload, *, round: int, step: int, phase: str, expect: type, span: tuple[int, int]
+        self,
+        payload: Payload,
+        *,
+        round: int,
+        step: int,
+        phase: str,
+        expect: type,
+        span: tuple[int, int],
     ) -> Payload:
         """Send `payload` right, return the left neighbour's payload for this step."""
         deadline = Deadline.after(self.timeout_s)
-        self.channel.send(self.right, payload, round=round, step=step, phase=phase, deadline=deadline)
+        self.channel.send(
+            self.right, payload, round=round, step=step, phase=phase, deadline=deadline
+        )
 
         def accept(p: Payload) -> None:
             got = _span(p)
             if not isinstance(p, expect) or got != span or p.numel != payload.numel:
                 raise FrameError(
                     FrameReason.UNEXPECTED,
-                    f"{phase} step {step}: got {type(p).__name__} {got}, expected {expect.__name__} {span}",
+                    f"{phase} step {step}: got {type(p).__name__} {got}, "
+                    f"expected {expect.__name__} {span}",
                 )
 
         return self.channel.recv(
@@ -100,11 +110,25 @@ class Ring:
 
         for s in range(self.world - 1):
             send_c, recv_c = (self.rank - s) % self.world, (self.rank - s - 1) % self.world
-            got = self.exchange(chunk(send_c), round=round, step=s, phase="rs", expect=DenseChunk, span=bounds[recv_c])
+            got = self.exchange(
+                chunk(send_c),
+                round=round,
+                step=s,
+                phase="rs",
+                expect=DenseChunk,
+                span=bounds[recv_c],
+            )
             got.add_to(acc)
         for s in range(self.world - 1):
             send_c, recv_c = (self.rank + 1 - s) % self.world, (self.rank - s) % self.world
-            got = self.exchange(chunk(send_c), round=round, step=s, phase="ag", expect=DenseChunk, span=bounds[recv_c])
+            got = self.exchange(
+                chunk(send_c),
+                round=round,
+                step=s,
+                phase="ag",
+                expect=DenseChunk,
+                span=bounds[recv_c],
+            )
             a, b = bounds[recv_c]
             acc[a:b].copy_(got.values)  # type: ignore[attr-defined]
         return acc
@@ -137,14 +161,23 @@ class Ring:
 
         for s in range(self.world - 1):
             send_c, recv_c = (self.rank - s) % self.world, (self.rank - s - 1) % self.world
-            got = self.exchange(reduce_chunk(send_c), round=round, step=s, phase="rs", expect=expect, span=bounds[recv_c])
+            got = self.exchange(
+                reduce_chunk(send_c),
+                round=round,
+                step=s,
+                phase="rs",
+                expect=expect,
+                span=bounds[recv_c],
+            )
             got.add_to(acc)
         out = torch.zeros_like(acc)
         current = reduce_chunk((self.rank + 1) % self.world)
         current.add_to(out)
         for s in range(self.world - 1):
             recv_c = (self.rank - s) % self.world
-            current = self.exchange(current, round=round, step=s, phase="ag", expect=expect, span=bounds[recv_c])
+            current = self.exchange(
+                current, round=round, step=s, phase="ag", expect=expect, span=bounds[recv_c]
+            )
             current.add_to(out)
         return out, kept
 
@@ -154,7 +187,9 @@ class Ring:
         received: dict[int, Payload] = {self.rank: sparse}
         current: Payload = sparse
         for s in range(self.world - 1):
-            current = self.exchange(current, round=round, step=s, phase="gather", expect=SparseGroups, span=whole)
+            current = self.exchange(
+                current, round=round, step=s, phase="gather", expect=SparseGroups, span=whole
+            )
             received[(self.rank - s - 1) % self.world] = current
         out = torch.zeros(sparse.numel, dtype=torch.float32)
         for origin in range(self.world):  # same order everywhere: same bits everywhere

@@ -29,7 +29,14 @@ def majority_vote(ring: Ring, x: torch.Tensor, *, round: int = 0) -> torch.Tenso
 
     for s in range(ring.world - 1):
         send_c, recv_c = (ring.rank - s) % ring.world, (ring.rank - s - 1) % ring.world
-        got = ring.exchange(counts(send_c), round=round, step=s, phase="vote-rs", expect=DenseChunk, span=bounds[recv_c])
+        got = ring.exchange(
+            counts(send_c),
+            round=round,
+            step=s,
+            phase="vote-rs",
+            expect=DenseChunk,
+            span=bounds[recv_c],
+        )
         a, b = bounds[recv_c]
         acc[a:b] += got.values.to(torch.int32)  # type: ignore[attr-defined]
     votes = torch.sign(acc).to(torch.int8)
@@ -38,7 +45,9 @@ def majority_vote(ring: Ring, x: torch.Tensor, *, round: int = 0) -> torch.Tenso
     current = SignBits.from_signs(votes[a:b], numel, a)
     for s in range(ring.world - 1):
         recv_c = (ring.rank - s) % ring.world
-        current = ring.exchange(current, round=round, step=s, phase="vote-ag", expect=SignBits, span=bounds[recv_c])  # type: ignore[assignment]
+        current = ring.exchange(
+            current, round=round, step=s, phase="vote-ag", expect=SignBits, span=bounds[recv_c]
+        )  # type: ignore[assignment]
         a, b = bounds[recv_c]
         votes[a:b] = current.signs()
     return votes

@@ -33,7 +33,9 @@ class DeltaEncoder:
         """``params - reference`` as a new flat float32 vector."""
         flat = params.detach().reshape(-1)
         if flat.numel() != self.reference.numel():
-            raise ValueError(f"parameters have {flat.numel()} entries, reference {self.reference.numel()}")
+            raise ValueError(
+                f"parameters have {flat.numel()} entries, reference {self.reference.numel()}"
+            )
         return flat.to(torch.float32) - self.reference
 
     def commit_delta(self, agreed: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,10 @@ class ErrorFeedback:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Plain tensors only, so checkpoints load with ``weights_only=True``."""
-        state = {"residual": self.residual.clone(), "momentum": torch.tensor(self.momentum, dtype=torch.float64)}
+        state = {
+            "residual": self.residual.clone(),
+            "momentum": torch.tensor(self.momentum, dtype=torch.float64),
+        }
         if self.velocity is not None:
             state["velocity"] = self.velocity.clone()
         return state
@@ -85,7 +88,8 @@ class ErrorFeedback:
         residual = state["residual"]
         if residual.shape != (self.numel,) or residual.dtype != torch.float32:
             raise ValueError(
-                f"residual of shape {tuple(residual.shape)} {residual.dtype}, expected ({self.numel},) float32"
+                f"residual of shape {tuple(residual.shape)} {residual.dtype}, "
+                f"expected ({self.numel},) float32"
             )
         if float(state["momentum"]) != self.momentum:
             raise ValueError(f"checkpoint momentum {float(state['momentum'])} != {self.momentum}")

@@ -63,7 +63,9 @@ class Compressor(Protocol):
 def meta_int(meta: Mapping[str, Any], name: str, low: int, high: int) -> int:
     value = meta.get(name)
     if type(value) is not int or not low <= value <= high:
-        raise FrameError(FrameReason.SHAPE_MISMATCH, f"meta {name!r}={value!r:.40} not in [{low}, {high}]")
+        raise FrameError(
+            FrameReason.SHAPE_MISMATCH, f"meta {name!r}={value!r:.40} not in [{low}, {high}]"
+        )
     return value
 
 
@@ -75,7 +77,9 @@ def meta_range(meta: Mapping[str, Any], name: str, high: int) -> tuple[int, int]
         and all(type(v) is int for v in value)
         and 0 <= value[0] <= value[1] <= high
     ):
-        raise FrameError(FrameReason.SHAPE_MISMATCH, f"meta {name!r}={value!r:.60} not a range in [0, {high}]")
+        raise FrameError(
+            FrameReason.SHAPE_MISMATCH, f"meta {name!r}={value!r:.60} not a range in [0, {high}]"
+        )
     return value[0], value[1]
 
 
@@ -87,9 +91,13 @@ def array(
         raise FrameError(FrameReason.SHAPE_MISMATCH, f"array {name!r} is missing")
     dtype, a = arrays[name]
     if dtype not in dtypes:
-        raise FrameError(FrameReason.BAD_DTYPE, f"array {name!r} is {dtype}, expected one of {dtypes}")
+        raise FrameError(
+            FrameReason.BAD_DTYPE, f"array {name!r} is {dtype}, expected one of {dtypes}"
+        )
     if a.shape != shape:
-        raise FrameError(FrameReason.SHAPE_MISMATCH, f"array {name!r} has shape {a.shape}, expected {shape}")
+        raise FrameError(
+            FrameReason.SHAPE_MISMATCH, f"array {name!r} has shape {a.shape}, expected {shape}"
+        )
     return dtype, a
 
 

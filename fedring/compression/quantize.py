@@ -30,7 +30,13 @@ from fedring.compression.payload import (
     meta_range,
     no_extra,
 )
-from fedring.compression.values import ValueDtype, check_value_dtype, encode_values, from_numpy, to_numpy
+from fedring.compression.values import (
+    ValueDtype,
+    check_value_dtype,
+    encode_values,
+    from_numpy,
+    to_numpy,
+)
 
 _FLOAT_WIRE = {torch.float32: "f4", torch.float16: "f2", torch.bfloat16: "bf16"}
 _INT_WIRE = {torch.int8: "i1", torch.int16: "i2", torch.int32: "i4"}
@@ -51,7 +57,9 @@ class DenseChunk:
         return self.values.numel() * self.values.element_size()
 
     def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
-        out[self.start : self.start + self.values.numel()].add_(self.values.to(out.dtype), alpha=alpha)
+        out[self.start : self.start + self.values.numel()].add_(
+            self.values.to(out.dtype), alpha=alpha
+        )
 
     def decompress(self) -> torch.Tensor:
         out = torch.zeros(self.numel, dtype=torch.float32)
@@ -59,11 +67,17 @@ class DenseChunk:
         return out
 
     def to_wire(self) -> tuple[dict[str, Any], WireArrays]:
-        meta = {"codec": self.codec_id, "numel": self.numel, "range": [self.start, self.start + self.values.numel()]}
+        meta = {
+            "codec": self.codec_id,
+            "numel": self.numel,
+            "range": [self.start, self.start + self.values.numel()],
+        }
         return meta, [("val", _WIRE_ANY[self.values.dtype], to_numpy(self.values))]
 
     @classmethod
-    def from_wire(cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits) -> DenseChunk:
+    def from_wire(
+        cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits
+    ) -> DenseChunk:
         numel = meta_int(meta, "numel", 1, limits.max_numel)
         a, b = meta_range(meta, "range", numel)
         dtype, val = array(arrays, "val", tuple(_WIRE_ANY.values()), (b - a,))
@@ -108,7 +122,9 @@ class Int8Groups:
         return meta, [("q", "i1", to_numpy(self.q)), ("scale", "f4", to_numpy(self.scales))]
 
     @classmethod
-    def from_wire(cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits) -> Int8Groups:
+    def from_wire(
+        cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits
+    ) -> Int8Groups:
         numel = meta_int(meta, "numel", 1, limits.max_numel)
         g = meta_int(meta, "group_size", 1, limits.max_group_size)
         a, b = meta_range(meta, "range", numel)
@@ -149,7 +165,9 @@ class SignBits:
     def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
         vals = self.signs().to(torch.float32)
         if self.scales is not None:
-            vals = (_pad_rows(vals, self.group_size) * self.scales[:, None]).reshape(-1)[: self.length]
+            vals = (_pad_rows(vals, self.group_size) * self.scales[:, None]).reshape(-1)[
+                : self.length
+            ]
         out[self.start : self.start + self.length].add_(vals, alpha=alpha)
 
     def decompress(self) -> torch.Tensor:

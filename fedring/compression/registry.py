@@ -36,8 +36,8 @@ COMPRESSORS: Mapping[str, Callable[..., Compressor]] = {
     "bf16": lambda **kw: DenseCodec("bf16"),
     "int8": lambda group_size=256, **kw: Int8Quantizer(group_size),
     "sign": lambda group_size=4096, **kw: SignQuantizer(group_size),
-    "group-topk": lambda density=0.01, group_size=256, value_dtype="fp16", **kw: GroupTopK.from_density(
-        density, group_size, value_dtype
+    "group-topk": lambda density=0.01, group_size=256, value_dtype="fp16", **kw: (
+        GroupTopK.from_density(density, group_size, value_dtype)
     ),
 }
 
@@ -49,7 +49,9 @@ def make_compressor(name: str, **options: Any) -> Compressor:
     return COMPRESSORS[name](**options)
 
 
-def decode_payload(meta: Mapping[str, Any], body: bytes | bytearray, limits: PayloadLimits) -> Payload:
+def decode_payload(
+    meta: Mapping[str, Any], body: bytes | bytearray, limits: PayloadLimits
+) -> Payload:
     """Validate a frame's `meta` and `body` and build the payload they describe."""
     codec = meta.get("codec")
     cls = PAYLOADS.get(codec) if isinstance(codec, str) else None

@@ -79,9 +79,11 @@ class SparseGroups:
     @property
     def wire_nbytes(self) -> int:
         scales = 0 if self.scales is None else self.scales.numel() * 4
-        return self.indices.numel() * self.indices.element_size() + self.values.numel() * (
-            self.values.element_size()
-        ) + scales
+        return (
+            self.indices.numel() * self.indices.element_size()
+            + self.values.numel() * (self.values.element_size())
+            + scales
+        )
 
     def positions(self) -> torch.Tensor:
         """Flat positions [n*k] (int64); may point past `numel` in the padded tail."""
@@ -118,7 +120,9 @@ class SparseGroups:
         return meta, arrays
 
     @classmethod
-    def from_wire(cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits) -> SparseGroups:
+    def from_wire(
+        cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits
+    ) -> SparseGroups:
         numel = meta_int(meta, "numel", 1, limits.max_numel)
         g = meta_int(meta, "group_size", 1, min(limits.max_group_size, MAX_GROUP_SIZE))
         k = meta_int(meta, "k", 1, g)
@@ -137,7 +141,9 @@ class SparseGroups:
         no_extra(arrays, names)
         indices = from_numpy(idx, idx_wire)
         if n and g < 65536 and int(idx.max()) >= g:
-            raise FrameError(FrameReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}")
+            raise FrameError(
+                FrameReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}"
+            )
         values = from_numpy(val, vdt)
         finite(values, "values")
         return cls(numel, g, k, g0, indices, values, scales)
@@ -207,7 +213,9 @@ class GroupSparse:
         ]
 
     @classmethod
-    def from_wire(cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits) -> GroupSparse:
+    def from_wire(
+        cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits
+    ) -> GroupSparse:
         numel = meta_int(meta, "numel", 1, limits.max_numel)
         g = meta_int(meta, "group_size", 1, min(limits.max_group_size, MAX_GROUP_SIZE))
         g0, g1 = meta_range(meta, "groups", n_groups(numel, g))
@@ -220,7 +228,9 @@ class GroupSparse:
         _, val = array(arrays, "val", ("f4",), (nnz,))
         no_extra(arrays, {"count", "idx", "val"})
         if nnz and int(idx.max()) >= g:
-            raise FrameError(FrameReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}")
+            raise FrameError(
+                FrameReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}"
+            )
         values = torch.from_numpy(val)
         finite(values, "values")
         return cls(numel, g, g0, torch.from_numpy(counts), from_numpy(idx, idx_wire), values)

@@ -34,7 +34,9 @@ def check_value_dtype(name: str) -> ValueDtype:
     return name  # type: ignore[return-value]
 
 
-def encode_values(rows: torch.Tensor, dtype: ValueDtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def encode_values(
+    rows: torch.Tensor, dtype: ValueDtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Encode float32 `rows` [n, m]; int8 gets one float32 scale per row."""
     if dtype == "fp32":
         return rows.to(torch.float32), None

@@ -3,7 +3,14 @@
 from fedring.wire.arrays import DTYPES, pack_arrays, unpack_arrays
 from fedring.wire.chunks import Reassembler, SeenWindow, split_payload
 from fedring.wire.errors import FrameError, FrameReason
-from fedring.wire.frame import KINDS, PROTOCOL_VERSION, Frame, FrameLimits, decode_frame, encode_frame
+from fedring.wire.frame import (
+    KINDS,
+    PROTOCOL_VERSION,
+    Frame,
+    FrameLimits,
+    decode_frame,
+    encode_frame,
+)
 
 __all__ = [
     "DTYPES",

@@ -36,7 +36,9 @@ def _aligned(offset: int) -> int:
     return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def pack_arrays(arrays: Sequence[tuple[str, str, np.ndarray]]) -> tuple[dict[str, list[Any]], bytes]:
+def pack_arrays(
+    arrays: Sequence[tuple[str, str, np.ndarray]],
+) -> tuple[dict[str, list[Any]], bytes]:
     """Lay out `(name, dtype, array)` triples; return the spec and the body bytes."""
     spec: dict[str, list[Any]] = {}
     pieces: list[bytes] = []
@@ -87,7 +89,9 @@ def unpack_arrays(
 
 def _entry(name: str, entry: Any, max_elements: int) -> tuple[str, tuple[int, ...]]:
     if not isinstance(entry, list) or not entry:
-        raise FrameError(FrameReason.MALFORMED, f"array {name!r}: spec {entry!r:.60} is not [dtype, *dims]")
+        raise FrameError(
+            FrameReason.MALFORMED, f"array {name!r}: spec {entry!r:.60} is not [dtype, *dims]"
+        )
     dtype, dims = entry[0], entry[1:]
     if dtype not in DTYPES:
         raise FrameError(FrameReason.BAD_DTYPE, f"array {name!r}: dtype {dtype!r:.20} not allowed")

@@ -89,7 +89,9 @@ class Reassembler:
             raise FrameError(FrameReason.BAD_SHA256, f"payload msg={msg} from {frame.src!r}")
         return frame.replace(part=(0, n), seq=msg), payload
 
-    def _open(self, key: tuple[str, int], n: int, digest: bytes, header: tuple[Any, ...]) -> _Pending:
+    def _open(
+        self, key: tuple[str, int], n: int, digest: bytes, header: tuple[Any, ...]
+    ) -> _Pending:
         if len(self._pending) >= self.max_pending:
             self._pending.popitem(last=False)  # oldest incomplete message is abandoned
         pending = _Pending(n=n, digest=digest, header=header)

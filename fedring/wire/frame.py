@@ -22,9 +22,7 @@ from fedring.wire.errors import FrameError, FrameReason
 from fedring.wire.integrity import DIGEST_BYTES, mac, mac_ok, sha256
 
 PROTOCOL_VERSION = 1
-KINDS = frozenset(
-    {"hello", "manifest", "chunk", "model", "shard", "metrics", "ack", "nack", "bye"}
-)
+KINDS = frozenset({"hello", "manifest", "chunk", "model", "shard", "metrics", "ack", "nack", "bye"})
 _REQUIRED = ("v", "t", "job", "src", "dst", "seq", "body", "sha256")
 _OPTIONAL = ("round", "step", "phase", "part", "meta", "mac")
 _KNOWN = frozenset(_REQUIRED + _OPTIONAL)
@@ -99,9 +97,7 @@ def encode_frame(frame: Frame, key: bytes | None = None) -> bytes:
     return msgpack.packb(wire, use_bin_type=True)
 
 
-def decode_frame(
-    data: bytes, key: bytes | None = None, limits: FrameLimits | None = None
-) -> Frame:
+def decode_frame(data: bytes, key: bytes | None = None, limits: FrameLimits | None = None) -> Frame:
     """Decode and verify one frame; raise `FrameError` on anything off."""
     limits = limits or FrameLimits()
     if len(data) > limits.max_frame_bytes:
@@ -112,7 +108,9 @@ def decode_frame(
     _check_shape(raw, limits.max_depth)
     frame, digest, tag = _fields(raw, limits)
     if sha256(frame.body) != digest:
-        raise FrameError(FrameReason.BAD_SHA256, f"body of frame seq={frame.seq} from {frame.src!r}")
+        raise FrameError(
+            FrameReason.BAD_SHA256, f"body of frame seq={frame.seq} from {frame.src!r}"
+        )
     _check_mac(frame, digest, tag, key)
     return frame
 
@@ -166,7 +164,9 @@ def _check_shape(value: Any, max_depth: int) -> None:
         if isinstance(node, dict):
             for k, v in node.items():
                 if not isinstance(k, str):
-                    raise FrameError(FrameReason.NON_STRING_KEYS, f"map key of type {type(k).__name__}")
+                    raise FrameError(
+                        FrameReason.NON_STRING_KEYS, f"map key of type {type(k).__name__}"
+                    )
                 if isinstance(v, (dict, list)):
                     stack.append((v, depth + 1))
         elif isinstance(node, list):
@@ -182,7 +182,9 @@ def _fields(raw: dict[str, Any], limits: FrameLimits) -> tuple[Frame, bytes, byt
         raise FrameError(FrameReason.MISSING_FIELD, f"field {missing[0]!r} is missing")
     version = raw["v"]
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise FrameError(FrameReason.BAD_VERSION, f"v={version!r}, this side speaks {PROTOCOL_VERSION}")
+        raise FrameError(
+            FrameReason.BAD_VERSION, f"v={version!r}, this side speaks {PROTOCOL_VERSION}"
+        )
     if raw["t"] not in KINDS:
         raise FrameError(FrameReason.BAD_KIND, f"t={raw['t']!r}")
     digest = _bytes(raw, "sha256", DIGEST_BYTES)
@@ -220,7 +222,9 @@ def _fields(raw: dict[str, Any], limits: FrameLimits) -> tuple[Frame, bytes, byt
 def _ident(raw: dict[str, Any], name: str, allow_empty: bool = False) -> str:
     value = raw.get(name, "")
     if not isinstance(value, str) or len(value) > _MAX_ID_LEN or (not value and not allow_empty):
-        raise FrameError(FrameReason.MALFORMED, f"field {name!r}={value!r:.60} is not a short string")
+        raise FrameError(
+            FrameReason.MALFORMED, f"field {name!r}={value!r:.60} is not a short string"
+        )
     return value
 
 
@@ -245,7 +249,9 @@ def _check_mac(frame: Frame, digest: bytes, tag: bytes | None, key: bytes | None
             raise FrameError(FrameReason.BAD_MAC, "frame carries a MAC but this job has no key")
         return
     if tag is None:
-        raise FrameError(FrameReason.BAD_MAC, f"frame seq={frame.seq} from {frame.src!r} has no MAC")
+        raise FrameError(
+            FrameReason.BAD_MAC, f"frame seq={frame.seq} from {frame.src!r} has no MAC"
+        )
     header = msgpack.packb(_header(frame, digest), use_bin_type=True)
     if not mac_ok(key, header, tag):
         raise FrameError(FrameReason.BAD_MAC, f"MAC of frame seq={frame.seq} from {frame.src!r}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,8 +18,12 @@ group_sizes = st.sampled_from([1, 3, 64, 256, 300])
 
 def _inputs(data: st.DataObject, world: int, dyadic: bool = False) -> list[torch.Tensor]:
     first = data.draw(flat_vectors(max_numel=2500, dyadic=dyadic))
-    rest = [data.draw(flat_vectors(max_numel=first.numel(), dyadic=dyadic)) for _ in range(world - 1)]
-    return [first] + [torch.cat([r, r.new_zeros(first.numel() - r.numel())])[: first.numel()] for r in rest]
+    rest = [
+        data.draw(flat_vectors(max_numel=first.numel(), dyadic=dyadic)) for _ in range(world - 1)
+    ]
+    return [first] + [
+        torch.cat([r, r.new_zeros(first.numel() - r.numel())])[: first.numel()] for r in rest
+    ]
 
 
 def _same_everywhere(results: list[torch.Tensor]) -> bool:
@@ -30,30 +36,42 @@ def test_dense_ring_equals_the_sum(world: int, data: st.DataObject) -> None:
     ref = torch.stack([x.double() for x in xs]).sum(0)
     run = run_local_ring(world, lambda ring: ring.allreduce_dense(xs[ring.rank]), key=b"k")
     assert _same_everywhere(run.results)
-    torch.testing.assert_close(run.results[0].double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30)
+    torch.testing.assert_close(
+        run.results[0].double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30
+    )
 
 
 @given(world=worlds, g=group_sizes, data=st.data())
-def test_exact_sparse_ring_equals_the_sum_of_sparse_inputs(world: int, g: int, data: st.DataObject) -> None:
+def test_exact_sparse_ring_equals_the_sum_of_sparse_inputs(
+    world: int, g: int, data: st.DataObject
+) -> None:
     xs = _inputs(data, world)
     topk = GroupTopK(g, data.draw(st.integers(1, min(g, 5))))
     sparse = [topk.compress(x) for x in xs]
     ref = torch.stack([s.decompress().double() for s in sparse]).sum(0)
-    run = run_local_ring(world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="exact"))
+    run = run_local_ring(
+        world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="exact")
+    )
     outs = [r[0] for r in run.results]
     assert _same_everywhere(outs)
     assert all(not bool(r[1].any()) for r in run.results)  # exact keeps nothing back
-    torch.testing.assert_close(outs[0].double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30)
+    torch.testing.assert_close(
+        outs[0].double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30
+    )
 
 
 @given(world=worlds, g=group_sizes, dtype=st.sampled_from(["fp32", "fp16"]), data=st.data())
 def test_bounded_ring_conserves_every_dropped_entry_exactly(
     world: int, g: int, dtype: str, data: st.DataObject
 ) -> None:
-    xs = _inputs(data, world, dyadic=True)  # sums exact in fp32: the invariant must hold bit for bit
+    xs = _inputs(
+        data, world, dyadic=True
+    )  # sums exact in fp32: the invariant must hold bit for bit
     topk = GroupTopK(g, data.draw(st.integers(1, min(g, 4))), dtype)  # type: ignore[arg-type]
     sparse = [topk.compress(x) for x in xs]
-    run = run_local_ring(world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded"))
+    run = run_local_ring(
+        world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded")
+    )
     outs, kept = [r[0] for r in run.results], [r[1] for r in run.results]
     assert _same_everywhere(outs)
     inputs_total = torch.stack([s.decompress() for s in sparse]).sum(0)
@@ -63,10 +81,14 @@ def test_bounded_ring_conserves_every_dropped_entry_exactly(
 
 
 @given(world=worlds, g=group_sizes, data=st.data())
-def test_bounded_conservation_with_arbitrary_floats(world: int, g: int, data: st.DataObject) -> None:
+def test_bounded_conservation_with_arbitrary_floats(
+    world: int, g: int, data: st.DataObject
+) -> None:
     xs = _inputs(data, world)
     sparse = [GroupTopK(g, 1).compress(x) for x in xs]
-    run = run_local_ring(world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded"))
+    run = run_local_ring(
+        world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded")
+    )
     total = run.results[0][0].double() + sum(r[1].double() for r in run.results)
     ref = torch.stack([s.decompress().double() for s in sparse]).sum(0)
     torch.testing.assert_close(total, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30)
@@ -79,7 +101,9 @@ def test_sparse_allgather_baseline_equals_the_sum(world: int, data: st.DataObjec
     ref = torch.stack([s.decompress().double() for s in sparse]).sum(0)
     run = run_local_ring(world, lambda ring: ring.allgather_sparse(sparse[ring.rank]))
     assert _same_everywhere(run.results)
-    torch.testing.assert_close(run.results[0].double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30)
+    torch.testing.assert_close(
+        run.results[0].double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30
+    )
 
 
 @given(world=worlds, data=st.data())
@@ -123,6 +147,6 @@ def test_chunk_bounds_cover_everything_in_order() -> None:
         for world in (1, 2, 3, 8, 16):
             bounds = chunk_bounds(units, world)
             assert bounds[0][0] == 0 and bounds[-1][1] == units
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
             sizes = [b - a for a, b in bounds]
             assert max(sizes) - min(sizes) <= 1

@@ -13,9 +13,17 @@ from fedring.counters import Counters
 from fedring.transport import InprocTransport
 
 
-def _ring(hub: InprocTransport, names: tuple[str, ...], me: str, key: bytes, timeout_s: float,
-          counters: Counters | None = None) -> Ring:
-    return Ring(PeerChannel(hub.connect(me), "job", key=key, counters=counters), names, timeout_s=timeout_s)
+def _ring(
+    hub: InprocTransport,
+    names: tuple[str, ...],
+    me: str,
+    key: bytes,
+    timeout_s: float,
+    counters: Counters | None = None,
+) -> Ring:
+    return Ring(
+        PeerChannel(hub.connect(me), "job", key=key, counters=counters), names, timeout_s=timeout_s
+    )
 
 
 def test_a_killed_neighbour_is_seen_at_once_not_at_the_deadline() -> None:
@@ -28,7 +36,7 @@ def test_a_killed_neighbour_is_seen_at_once_not_at_the_deadline() -> None:
     def member(name: str) -> None:
         try:
             rings[name].allreduce_dense(torch.ones(300))
-        except BaseException as exc:  # noqa: BLE001 - recorded for the assertions
+        except BaseException as exc:
             errors[name] = exc
             rings[name].channel.endpoint.close()  # as a failed agent leaves the ring
 
@@ -67,7 +75,7 @@ def test_frames_with_a_bad_mac_are_refused_counted_and_named_in_the_timeout() ->
     def run_b() -> None:
         try:
             b.allreduce_dense(torch.ones(4))
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             result["b"] = exc
 
     t = threading.Thread(target=run_b)
@@ -83,12 +91,21 @@ def test_a_payload_of_the_wrong_shape_is_refused() -> None:
     counters = Counters()
     a = _ring(hub, ("a", "b"), "a", b"k", timeout_s=0.5, counters=counters)
     b = _ring(hub, ("a", "b"), "b", b"k", timeout_s=0.5)
-    t = threading.Thread(target=lambda: pytest.raises(Exception, b.allreduce_dense, torch.ones(10)))
+    b_failed: list[BaseException] = []
+
+    def run_b() -> None:
+        try:
+            b.allreduce_dense(torch.ones(10))
+        except CollectiveTimeout as exc:  # a's chunks do not fit b either
+            b_failed.append(exc)
+
+    t = threading.Thread(target=run_b)
     t.start()
     with pytest.raises(CollectiveTimeout, match="unexpected"):
         a.allreduce_dense(torch.ones(8))  # b sends chunks of a 10-entry vector
     t.join(5)
     assert counters.get("frame_unexpected") >= 1
+    assert b_failed, "b should have refused a's chunks too"
 
 
 def test_ring_membership_is_checked() -> None:

@@ -13,7 +13,10 @@ from fedring.compression import ErrorFeedback, GroupTopK
 def test_sent_plus_residual_accounts_for_every_gradient() -> None:
     gen = torch.Generator().manual_seed(0)
     ef, topk = ErrorFeedback(1000), GroupTopK(100, 2)
-    total_grad, total_sent = torch.zeros(1000, dtype=torch.float64), torch.zeros(1000, dtype=torch.float64)
+    total_grad, total_sent = (
+        torch.zeros(1000, dtype=torch.float64),
+        torch.zeros(1000, dtype=torch.float64),
+    )
     for _ in range(50):
         g = torch.randint(-64, 65, (1000,), generator=gen).float() / 8  # sums stay exact
         total_grad += g.double()

@@ -20,7 +20,9 @@ def _topk(g: int, draw_k: st.DataObject, dtype: str) -> GroupTopK:
 
 
 @given(x=flat_vectors(), g=group_sizes, data=st.data(), dtype=value_dtypes)
-def test_exactly_k_distinct_entries_per_group(x: torch.Tensor, g: int, data: st.DataObject, dtype: str) -> None:
+def test_exactly_k_distinct_entries_per_group(
+    x: torch.Tensor, g: int, data: st.DataObject, dtype: str
+) -> None:
     c = _topk(g, data, dtype).compress(x)
     assert c.indices.shape == (n_groups(x.numel(), g), c.k)
     assert c.values.shape == c.indices.shape
@@ -31,7 +33,9 @@ def test_exactly_k_distinct_entries_per_group(x: torch.Tensor, g: int, data: st.
 
 
 @given(x=flat_vectors(), g=group_sizes, data=st.data())
-def test_selects_the_largest_magnitudes_of_each_group(x: torch.Tensor, g: int, data: st.DataObject) -> None:
+def test_selects_the_largest_magnitudes_of_each_group(
+    x: torch.Tensor, g: int, data: st.DataObject
+) -> None:
     c = _topk(g, data, "fp32").compress(x)
     padded = torch.cat([x, x.new_zeros(n_groups(x.numel(), g) * g - x.numel())]).view(-1, g)
     mags = padded.abs()
@@ -44,7 +48,9 @@ def test_selects_the_largest_magnitudes_of_each_group(x: torch.Tensor, g: int, d
 
 
 @given(x=flat_vectors(), g=group_sizes, data=st.data(), dtype=value_dtypes)
-def test_decompress_plus_residual_is_bit_exact(x: torch.Tensor, g: int, data: st.DataObject, dtype: str) -> None:
+def test_decompress_plus_residual_is_bit_exact(
+    x: torch.Tensor, g: int, data: st.DataObject, dtype: str
+) -> None:
     ef = ErrorFeedback(x.numel())
     compensated = ef.compensate(x).clone()
     sent = _topk(g, data, dtype).compress(ef.residual)
@@ -52,8 +58,15 @@ def test_decompress_plus_residual_is_bit_exact(x: torch.Tensor, g: int, data: st
     assert torch.equal(sent.decompress() + ef.residual, compensated)
 
 
-@given(x=flat_vectors(max_numel=2000), g=st.sampled_from([3, 256, 300]), dtype=value_dtypes, data=st.data())
-def test_wire_round_trip_is_identical(x: torch.Tensor, g: int, dtype: str, data: st.DataObject) -> None:
+@given(
+    x=flat_vectors(max_numel=2000),
+    g=st.sampled_from([3, 256, 300]),
+    dtype=value_dtypes,
+    data=st.data(),
+)
+def test_wire_round_trip_is_identical(
+    x: torch.Tensor, g: int, dtype: str, data: st.DataObject
+) -> None:
     c = _topk(g, data, dtype).compress(x)
     meta, arrays = c.to_wire()
     spec, body = pack_arrays(arrays)
@@ -63,7 +76,9 @@ def test_wire_round_trip_is_identical(x: torch.Tensor, g: int, dtype: str, data:
 
 
 @given(x=flat_vectors(), g=st.sampled_from([1, 5, 256]), data=st.data())
-def test_a_range_of_groups_equals_that_part_of_the_whole(x: torch.Tensor, g: int, data: st.DataObject) -> None:
+def test_a_range_of_groups_equals_that_part_of_the_whole(
+    x: torch.Tensor, g: int, data: st.DataObject
+) -> None:
     total = n_groups(x.numel(), g)
     g0 = data.draw(st.integers(0, total))
     g1 = data.draw(st.integers(g0, total))
@@ -89,8 +104,13 @@ def test_k_from_density() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"group_size": 0}, "group_size"), ({"group_size": 70000}, "group_size"), ({"k": 0}, "k"),
-     ({"group_size": 4, "k": 5}, "k"), ({"value_dtype": "fp8"}, "value dtype")],
+    [
+        ({"group_size": 0}, "group_size"),
+        ({"group_size": 70000}, "group_size"),
+        ({"k": 0}, "k"),
+        ({"group_size": 4, "k": 5}, "k"),
+        ({"value_dtype": "fp8"}, "value dtype"),
+    ],
 )
 def test_bad_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -19,8 +19,15 @@ def test_stages_below_target_are_skipped_and_zero_disables() -> None:
     assert DensitySchedule(target=0.01).density(0) == 0.01
 
 
-@pytest.mark.parametrize("kwargs", [{"target": 0.0}, {"target": 1.5}, {"target": 0.1, "steps_per_stage": -1},
-                                    {"target": 0.1, "stages": (2.0,)}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"target": 0.0},
+        {"target": 1.5},
+        {"target": 0.1, "steps_per_stage": -1},
+        {"target": 0.1, "stages": (2.0,)},
+    ],
+)
 def test_schedule_refuses_bad_values(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         DensitySchedule(**kwargs)
@@ -31,7 +38,9 @@ def test_delta_agents_agree_after_committing_the_same_update() -> None:
     a, b = DeltaEncoder(start), DeltaEncoder(start)
     local_a, local_b = start + 0.1 * torch.randn(500), start + 0.1 * torch.randn(500)
     topk = GroupTopK(50, 5)
-    agreed = (topk.compress(a.delta(local_a)).decompress() + topk.compress(b.delta(local_b)).decompress()) / 2
+    agreed = (
+        topk.compress(a.delta(local_a)).decompress() + topk.compress(b.delta(local_b)).decompress()
+    ) / 2
     a.commit_delta(agreed)
     b.commit_delta(agreed)
     assert a.digest() == b.digest()

@@ -1,0 +1,5 @@
+"""`python -m fedring` is the `fedring` command."""
+
+from fedring.cli import main
+
+main()
