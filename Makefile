@@ -21,6 +21,7 @@ demo: setup
 
 lint: setup
 	$(BIN)/ruff check fedring tests bench
+	$(BIN)/mypy fedring
 
 test: lint
 	$(BIN)/pytest -q

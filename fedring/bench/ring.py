@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fedring.collective.local import run_local_ring
-from fedring.collective.ring import Ring
+from fedring.collective.ring import Ring, SparsePolicy
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.values import ValueDtype
 
@@ -52,10 +52,13 @@ def run_one(world: int, numel: int, compressor: GroupTopK, seed: int) -> dict[st
     row: dict[str, Any] = {"agents": world}
     row["dense"], outs = _measure(world, lambda r: r.allreduce_dense(xs[r.rank]))
     row["dense"]["max_abs_err"] = float((outs[0].double() - dense_ref).abs().max())
-    for policy in ("exact", "bounded"):
-        row[policy], outs = _measure(
-            world, lambda r, p=policy: r.allreduce_sparse(sparse[r.rank], policy=p)
-        )
+    policies: tuple[SparsePolicy, ...] = ("exact", "bounded")
+    for policy in policies:
+
+        def reduce(r: Ring, p: SparsePolicy = policy) -> Any:
+            return r.allreduce_sparse(sparse[r.rank], policy=p)
+
+        row[policy], outs = _measure(world, reduce)
         total, kept = outs[0][0].double(), sum(o[1].double() for o in outs)
         # exact: distance to the sum; bounded: conservation (result + kept == sum).
         row[policy]["max_abs_err"] = float((total + kept - sparse_ref).abs().max())

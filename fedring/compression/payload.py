@@ -32,7 +32,16 @@ class PayloadLimits:
 @runtime_checkable
 class Payload(Protocol):
     codec_id: ClassVar[str]
-    numel: int
+
+    @property
+    def numel(self) -> int:
+        """Length of the whole flat vector this payload belongs to."""
+        ...
+
+    @property
+    def wire_nbytes(self) -> int:
+        """Bytes of the arrays as they go in a body (without padding or header)."""
+        ...
 
     def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
         """Add this payload (times `alpha`) into the flat float32 vector `out`."""

@@ -31,7 +31,7 @@ _INT8_MAX = 127.0
 def check_value_dtype(name: str) -> ValueDtype:
     if name not in VALUE_DTYPES:
         raise ValueError(f"value dtype {name!r} is not one of {', '.join(VALUE_DTYPES)}")
-    return name  # type: ignore[return-value]
+    return name
 
 
 def encode_values(
