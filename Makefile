@@ -20,7 +20,7 @@ demo: setup
 	$(BIN)/fedring bench ring --agents 8 --numel 1000000 --density 0.01
 
 lint: setup
-	$(BIN)/ruff check fedring tests bench
+	$(BIN)/ruff check fedring tests bench examples
 	$(BIN)/mypy fedring
 
 test: lint

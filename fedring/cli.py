@@ -42,6 +42,7 @@ class ValueDtypeChoice(str, Enum):
     fp16 = "fp16"
     bf16 = "bf16"
     int8 = "int8"
+    sign = "sign"
 
 
 def _version(value: bool) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-value_dtypes = st.sampled_from(["fp32", "fp16", "bf16", "int8"])
+value_dtypes = st.sampled_from(["fp32", "fp16", "bf16", "int8", "sign"])
 
 
 @st.composite

@@ -83,7 +83,7 @@ def run(
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
     ours = GroupTopK.from_density(density, group_size, value_dtype)
     k_global = max(1, round(density * numel))
-    vt = torch_dtype(value_dtype) if value_dtype != "int8" else torch.float16
+    vt = torch_dtype(value_dtype) if value_dtype not in ("int8", "sign") else torch.float16
     limits = FrameLimits()
 
     payload = ours.compress(x)

@@ -40,7 +40,6 @@ from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import Payload
 from fedring.compression.quantize import DenseChunk
 from fedring.compression.sparse import GroupSparse, SparseGroups, n_groups
-from fedring.compression.values import dtype_name
 from fedring.transport.base import Deadline
 from fedring.wire.errors import FrameError, FrameReason
 
@@ -147,7 +146,7 @@ class Ring:
         acc = sparse.decompress()
         kept = torch.zeros_like(acc)
         bounds = chunk_bounds(n_groups(sparse.numel, g), self.world)
-        topk = GroupTopK(g, sparse.k, dtype_name(sparse.values))
+        topk = GroupTopK(g, sparse.k, sparse.value_dtype)
         expect: type = SparseGroups if policy == "bounded" else GroupSparse
 
         def reduce_chunk(c: int) -> Payload:

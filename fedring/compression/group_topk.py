@@ -11,7 +11,8 @@ Tuning guide:
 - `group_size` 256 gives uint8 indices (3 bytes an entry with fp16 values).
   Larger groups select more globally but need uint16 indices.
 - `value_dtype` fp16 halves the bytes at no measurable accuracy cost; int8 adds one
-  fp32 scale per group and should be paired with error feedback.
+  fp32 scale per group and should be paired with error feedback; sign sends one bit
+  per kept entry plus the group's mean kept magnitude (pays off for k >= 16 or so).
 
     >>> import torch
     >>> c = GroupTopK(group_size=4, k=1).compress(torch.tensor([1., -5, 2, 0, 3, 0]))
@@ -74,9 +75,11 @@ class GroupTopK:
         g0, g1 = groups if groups is not None else (0, n_groups(numel, g))
         rows, idx = _select(x.reshape(-1), g, k, g0, g1)
         values, scales = encode_values(rows, self.value_dtype)
-        values = exactify(rows, values, scales)
+        sign = self.value_dtype == "sign"
+        if not sign:  # +-1 cannot be zeroed; sign keeps the invariant to one rounding
+            values = exactify(rows, values, scales)
         _, idx_dtype = index_dtype(g)
-        return SparseGroups(numel, g, k, g0, idx.to(idx_dtype), values, scales)
+        return SparseGroups(numel, g, k, g0, idx.to(idx_dtype), values, scales, sign)
 
 
 def _select(x: torch.Tensor, g: int, k: int, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:

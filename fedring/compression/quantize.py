@@ -226,8 +226,8 @@ class DenseCodec:
     value_dtype: ValueDtype = "fp32"
 
     def __post_init__(self) -> None:
-        if check_value_dtype(self.value_dtype) == "int8":
-            raise ValueError("use Int8Quantizer for int8 dense values")
+        if check_value_dtype(self.value_dtype) in ("int8", "sign"):
+            raise ValueError("use Int8Quantizer or SignQuantizer for int8 or sign dense values")
 
     def compress(self, x: torch.Tensor) -> DenseChunk:
         values, _ = encode_values(x.reshape(1, -1), self.value_dtype)

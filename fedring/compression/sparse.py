@@ -29,7 +29,14 @@ from fedring.compression.payload import (
     meta_range,
     no_extra,
 )
-from fedring.compression.values import WIRE_DTYPE, decode_values, dtype_name, from_numpy, to_numpy
+from fedring.compression.values import (
+    WIRE_DTYPE,
+    ValueDtype,
+    decode_values,
+    dtype_name,
+    from_numpy,
+    to_numpy,
+)
 from fedring.wire.errors import FrameError, FrameReason
 
 MAX_GROUP_SIZE = 65536
@@ -69,21 +76,26 @@ class SparseGroups:
     k: int
     group_start: int
     indices: torch.Tensor  # [n, k] uint8 or uint16, group-local
-    values: torch.Tensor  # [n, k] float32, float16, bfloat16 or int8
-    scales: torch.Tensor | None = None  # [n] float32, with int8 values
+    values: torch.Tensor  # [n, k] float32, float16, bfloat16 or int8 (+-1 when `sign`)
+    scales: torch.Tensor | None = None  # [n] float32, with int8 and sign values
+    sign: bool = False  # values are +-1 times the scale; one bit each on the wire
 
     @property
     def n(self) -> int:
         return int(self.indices.shape[0])
 
     @property
+    def value_dtype(self) -> ValueDtype:
+        return "sign" if self.sign else dtype_name(self.values)
+
+    @property
     def wire_nbytes(self) -> int:
         scales = 0 if self.scales is None else self.scales.numel() * 4
-        return (
-            self.indices.numel() * self.indices.element_size()
-            + self.values.numel() * (self.values.element_size())
-            + scales
-        )
+        if self.sign:
+            values = -(-self.values.numel() // 8)
+        else:
+            values = self.values.numel() * self.values.element_size()
+        return self.indices.numel() * self.indices.element_size() + values + scales
 
     def positions(self) -> torch.Tensor:
         """Flat positions [n*k] (int64); may point past `numel` in the padded tail."""
@@ -102,8 +114,8 @@ class SparseGroups:
         return out
 
     def to_wire(self) -> tuple[dict[str, Any], WireArrays]:
-        vdtype = dtype_name(self.values)
-        meta = {
+        vdtype = self.value_dtype
+        meta: dict[str, Any] = {
             "codec": self.codec_id,
             "numel": self.numel,
             "group_size": self.group_size,
@@ -111,9 +123,14 @@ class SparseGroups:
             "groups": [self.group_start, self.group_start + self.n],
         }
         idx_wire, _ = index_dtype(self.group_size)
+        if self.sign:
+            meta["vdtype"] = "sign"
+            values = np.packbits(to_numpy(self.values).reshape(-1) > 0)
+        else:
+            values = to_numpy(self.values)
         arrays: WireArrays = [
             ("idx", idx_wire, to_numpy(self.indices)),
-            ("val", WIRE_DTYPE[vdtype], to_numpy(self.values)),
+            ("val", WIRE_DTYPE[vdtype], values),
         ]
         if self.scales is not None:
             arrays.append(("scale", "f4", to_numpy(self.scales)))
@@ -130,7 +147,15 @@ class SparseGroups:
         n = g1 - g0
         idx_wire, _ = index_dtype(g)
         _, idx = array(arrays, "idx", (idx_wire,), (n, k))
-        vdt, val = array(arrays, "val", ("f4", "f2", "bf16", "i1"), (n, k))
+        if meta.get("vdtype", "sign") != "sign":
+            raise FrameError(FrameReason.BAD_DTYPE, f"vdtype {meta.get('vdtype')!r:.20}")
+        sign = meta.get("vdtype") == "sign"
+        if sign:
+            _, bits = array(arrays, "val", ("u1",), (-(-(n * k) // 8),))
+            signs = np.unpackbits(bits, count=n * k).astype(np.int8) * 2 - 1
+            vdt, val = "i1", signs.reshape(n, k)
+        else:
+            vdt, val = array(arrays, "val", ("f4", "f2", "bf16", "i1"), (n, k))
         names = {"idx", "val"}
         scales = None
         if vdt == "i1":
@@ -146,7 +171,7 @@ class SparseGroups:
             )
         values = from_numpy(val, vdt)
         finite(values, "values")
-        return cls(numel, g, k, g0, indices, values, scales)
+        return cls(numel, g, k, g0, indices, values, scales, sign)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,7 +1,8 @@
 """Value dtypes shared by dense quantizers and top-k values.
 
-`encode_values` turns float32 rows into the wire dtype (fp32, fp16, bf16, or int8
-with one scale per row); `decode_values` is its inverse. Both sides of a link use
+`encode_values` turns float32 rows into the wire dtype (fp32, fp16, bf16, int8
+with one scale per row, or sign: +-1 times the row's mean magnitude, one bit an
+entry on the wire); `decode_values` is its inverse. Both sides of a link use
 the same `decode_values`, so `decode(encode(v))` is the same bits everywhere.
 
 Hazard, and why `exactify` exists: error feedback promises
@@ -9,7 +10,8 @@ Hazard, and why `exactify` exists: error feedback promises
 ``v - decode(v)`` to be exact in fp32, which holds for every dtype here by
 Sterbenz's lemma except in corner cases (fp16 overflow, int8 entries rounded up
 from just below half a step). `exactify` zeroes exactly those entries, so their
-whole value stays in the residual instead of being half sent.
+whole value stays in the residual instead of being half sent. `sign` values
+cannot be 0, so for them the invariant holds to one rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-ValueDtype = Literal["fp32", "fp16", "bf16", "int8"]
-VALUE_DTYPES: tuple[ValueDtype, ...] = ("fp32", "fp16", "bf16", "int8")
-WIRE_DTYPE = {"fp32": "f4", "fp16": "f2", "bf16": "bf16", "int8": "i1"}
-BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+ValueDtype = Literal["fp32", "fp16", "bf16", "int8", "sign"]
+VALUE_DTYPES: tuple[ValueDtype, ...] = ("fp32", "fp16", "bf16", "int8", "sign")
+WIRE_DTYPE = {"fp32": "f4", "fp16": "f2", "bf16": "bf16", "int8": "i1", "sign": "u1"}
+BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "sign": 0.125}
+# sign values live in memory as int8 +-1 (times a float32 scale per row).
 _TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
 _FP16_MAX = 65504.0
 _INT8_MAX = 127.0
@@ -44,6 +47,9 @@ def encode_values(
         return rows.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16), None
     if dtype == "bf16":
         return rows.to(torch.bfloat16), None
+    if dtype == "sign":
+        signs = torch.where(rows > 0, 1, -1).to(torch.int8)
+        return signs, rows.abs().mean(dim=1) if rows.shape[1] else rows.new_zeros(rows.shape[0])
     scales = rows.abs().amax(dim=1) / _INT8_MAX
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(rows / safe[:, None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
@@ -87,10 +93,11 @@ def from_numpy(a: np.ndarray, wire_dtype: str) -> torch.Tensor:
 
 
 def torch_dtype(name: ValueDtype) -> torch.dtype:
-    return _TORCH[name]
+    return _TORCH.get(name, torch.int8)
 
 
 def dtype_name(t: torch.Tensor) -> ValueDtype:
+    """The value dtype of a tensor (int8 tensors read as int8, never sign)."""
     for name, dt in _TORCH.items():
         if t.dtype == dt:
             return name  # type: ignore[return-value]

@@ -93,7 +93,7 @@ def _entry(name: str, entry: Any, max_elements: int) -> tuple[str, tuple[int, ..
             FrameReason.MALFORMED, f"array {name!r}: spec {entry!r:.60} is not [dtype, *dims]"
         )
     dtype, dims = entry[0], entry[1:]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise FrameError(FrameReason.BAD_DTYPE, f"array {name!r}: dtype {dtype!r:.20} not allowed")
     if len(dims) > _MAX_NDIM or not all(type(d) is int and 0 <= d <= max_elements for d in dims):
         raise FrameError(FrameReason.SHAPE_MISMATCH, f"array {name!r}: dims {dims!r:.60}")

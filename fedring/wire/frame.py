@@ -122,12 +122,15 @@ def _unpack(data: bytes, limits: FrameLimits) -> Any:
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_ext_len=0,  # extension types are never allowed
+            max_ext_len=0,  # extension types are never allowed...
+            ext_hook=_refuse_ext,  # ...not even zero-length ones, which max_ext_len lets by
             max_bin_len=limits.max_frame_bytes,
             max_str_len=limits.max_str_len,
             max_array_len=limits.max_array_len,
             max_map_len=limits.max_map_len,
         )
+    except FrameError:
+        raise
     except msgpack.ExtraData as exc:
         raise FrameError(FrameReason.TRAILING_BYTES, "bytes after the frame map") from exc
     except msgpack.StackError as exc:
@@ -138,6 +141,10 @@ def _unpack(data: bytes, limits: FrameLimits) -> Any:
         raise FrameError(_reason_for(str(exc)), str(exc)) from exc
     except Exception as exc:  # msgpack's C decoder may raise TypeError on odd input
         raise FrameError(FrameReason.MALFORMED, f"{type(exc).__name__}: {exc}") from exc
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise FrameError(FrameReason.MALFORMED, f"extension type {code} is not allowed")
 
 
 def _reason_for(message: str) -> FrameReason:
@@ -185,7 +192,7 @@ def _fields(raw: dict[str, Any], limits: FrameLimits) -> tuple[Frame, bytes, byt
         raise FrameError(
             FrameReason.BAD_VERSION, f"v={version!r}, this side speaks {PROTOCOL_VERSION}"
         )
-    if raw["t"] not in KINDS:
+    if not isinstance(raw["t"], str) or raw["t"] not in KINDS:
         raise FrameError(FrameReason.BAD_KIND, f"t={raw['t']!r}")
     digest = _bytes(raw, "sha256", DIGEST_BYTES)
     tag = _bytes(raw, "mac", DIGEST_BYTES) if "mac" in raw else None

@@ -1,0 +1,3 @@
+"""The coordinator service (enrolment, rounds, membership, report, ONNX export). Built
+by the MQTT agent/coordinator issue; nothing here yet.
+"""
