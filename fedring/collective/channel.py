@@ -5,8 +5,9 @@ frame limit, signs them with the job key, and hands them to the transport.
 `PeerChannel.recv` waits (with a deadline) for the payload a peer sent for one
 position in the schedule (round, step, phase). On the way it refuses and counts
 everything else: malformed frames, bad hashes or MACs, frames for another job,
-repeats of a (src, seq) already seen. Frames for a later position are kept until
-asked for. A refused frame never ends the wait: a good copy may still come; if
+repeats of a (src, seq) already seen. Payloads for a later position are kept, as
+checked bytes, until asked for; they are decoded then, with the caller's limits.
+A refused frame never ends the wait: a good copy may still come; if
 none does, the timeout names the last refusal.
 """
 
@@ -15,12 +16,19 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from fedring.compression.payload import Payload, PayloadLimits
 from fedring.compression.registry import decode_payload
 from fedring.counters import Counters
-from fedring.transport.base import Deadline, Endpoint, MembershipEvent, TransportTimeout
+from fedring.transport.base import (
+    Deadline,
+    Endpoint,
+    MembershipEvent,
+    PeerUnreachable,
+    TransportTimeout,
+)
 from fedring.wire.arrays import pack_arrays
 from fedring.wire.chunks import Reassembler, SeenWindow, split_payload
 from fedring.wire.errors import FrameError, FrameReason
@@ -68,7 +76,7 @@ class PeerChannel:
         self._seq = itertools.count()
         self._seen = SeenWindow()
         self._parts = Reassembler(self.limits)
-        self._stash: OrderedDict[Position, Payload] = OrderedDict()
+        self._stash: OrderedDict[Position, tuple[Mapping[str, Any], bytearray]] = OrderedDict()
         self._max_stash = max_stash
         self._last_refusal = ""
 
@@ -79,25 +87,29 @@ class PeerChannel:
     def send(
         self, dst: str, payload: Payload, *, round: int, step: int, phase: str, deadline: Deadline
     ) -> None:
+        """Send `payload` to `dst` as one or more signed frames."""
         meta, arrays = payload.to_wire()
         spec, body = pack_arrays(arrays)
         meta["arrays"] = spec
         template = Frame(
-            kind="chunk",
-            job=self.job,
-            src=self.name,
-            dst=dst,
-            seq=0,
-            round=round,
-            step=step,
-            phase=phase,
-            meta=meta,
-        )
+            kind="chunk", job=self.job, src=self.name, dst=dst, seq=0,
+            round=round, step=step, phase=phase, meta=meta,
+        )  # fmt: skip
         frames = split_payload(template, body, next(self._seq), self.limits)
         for _ in frames[1:]:
             next(self._seq)
         for frame in frames:
-            self.endpoint.send(dst, encode_frame(frame, self.key), deadline)
+            data = encode_frame(frame, self.key)
+            if len(data) > self.limits.max_frame_bytes:  # a header too big: our bug, not theirs
+                raise ValueError(f"encoded frame of {len(data)} bytes > max_frame_bytes")
+            try:
+                self.endpoint.send(dst, data, deadline)
+            except PeerUnreachable as exc:
+                self.counters.add("peer_lost")
+                raise PeerLost(dst) from exc
+            except TransportTimeout as exc:
+                self.counters.add("timeout")
+                raise CollectiveTimeout(f"{self.name!r} could not hand a frame to {dst!r}") from exc
         self.payload_bytes_sent += len(body)
 
     def recv(
@@ -109,13 +121,20 @@ class PeerChannel:
         phase: str,
         deadline: Deadline,
         accept: Callable[[Payload], None] | None = None,
+        limits: PayloadLimits | None = None,
     ) -> Payload:
-        """The payload `src` sent for (round, step, phase); `accept` may refuse it."""
+        """The payload `src` sent for (round, step, phase).
+
+        The payload is decoded with `limits` (default: the channel's), so a
+        receiver that knows the expected size refuses larger claims before any
+        allocation; `accept` may refuse it after decoding by raising `FrameError`.
+        """
         want: Position = (src, round, step, phase)
         while True:
-            payload = self._stash.pop(want, None)
-            if payload is not None:
+            stashed = self._stash.pop(want, None)
+            if stashed is not None:
                 try:
+                    payload = decode_payload(stashed[0], stashed[1], limits or self.payload_limits)
                     if accept is not None:
                         accept(payload)
                     return payload
@@ -124,6 +143,9 @@ class PeerChannel:
             try:
                 item = self.endpoint.recv(deadline)
             except TransportTimeout as exc:
+                if src not in self.endpoint.peers():  # its goodbye may have been lost
+                    self.counters.add("peer_lost")
+                    raise PeerLost(src) from exc
                 self.counters.add("timeout")
                 last = f"; last refused frame: {self._last_refusal}" if self._last_refusal else ""
                 raise CollectiveTimeout(
@@ -131,14 +153,16 @@ class PeerChannel:
                     f"from {src!r}{last}"
                 ) from exc
             if isinstance(item, MembershipEvent):
-                if item.kind in ("left", "lost") and item.name == src:
+                if item.kind == "joined":
+                    self._seen.forget(item.name)  # a restarted peer counts from 0 again
+                elif item.name == src:
                     self.counters.add("peer_lost")
                     raise PeerLost(src)
                 continue
             self._take(item.src, item.data)
 
     def _take(self, sender: str, data: bytes) -> None:
-        """Decode one delivery into the stash, or refuse and count it."""
+        """Check one delivery and stash its payload bytes, or refuse and count it."""
         try:
             frame = decode_frame(data, self.key, self.limits)
             if sender and frame.src != sender:  # "" where a transport cannot tell
@@ -153,17 +177,16 @@ class PeerChannel:
                 self.counters.add("duplicate")
                 return
             done = self._parts.add(frame)
-            if done is None:
-                return
-            head, body = done
-            payload = decode_payload(head.meta, body, self.payload_limits)
         except FrameError as exc:
             self._refuse(sender, exc)
             return
+        if done is None:
+            return
+        head, body = done
         if len(self._stash) >= self._max_stash:
             self._stash.popitem(last=False)
             self.counters.add("stash_evicted")
-        self._stash[(head.src, head.round, head.step, head.phase)] = payload
+        self._stash[(head.src, head.round, head.step, head.phase)] = (head.meta, body)
 
     def _refuse(self, sender: str, exc: FrameError) -> None:
         self.counters.add(f"frame_{exc.reason.value}")

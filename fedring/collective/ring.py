@@ -37,7 +37,7 @@ import torch
 
 from fedring.collective.channel import PeerChannel
 from fedring.compression.group_topk import GroupTopK
-from fedring.compression.payload import Payload
+from fedring.compression.payload import Payload, PayloadLimits
 from fedring.compression.quantize import DenseChunk
 from fedring.compression.sparse import GroupSparse, SparseGroups, n_groups
 from fedring.transport.base import Deadline
@@ -95,7 +95,13 @@ class Ring:
                 )
 
         return self.channel.recv(
-            self.left, round=round, step=step, phase=phase, deadline=deadline, accept=accept
+            self.left,
+            round=round,
+            step=step,
+            phase=phase,
+            deadline=deadline,
+            accept=accept,
+            limits=PayloadLimits(max_numel=payload.numel),  # nothing bigger than ours is decoded
         )
 
     def allreduce_dense(self, x: torch.Tensor, *, round: int = 0) -> torch.Tensor:

@@ -57,7 +57,9 @@ def decode_payload(
     cls = PAYLOADS.get(codec) if isinstance(codec, str) else None
     if cls is None:
         raise FrameError(FrameReason.UNKNOWN_CODEC, f"codec {codec!r:.40}")
-    arrays = unpack_arrays(meta.get("arrays"), body, max_elements=limits.max_numel)
+    # k entries of the zero-padded last group may exceed numel by up to one group.
+    max_elements = limits.max_numel + limits.max_group_size
+    arrays = unpack_arrays(meta.get("arrays"), body, max_elements=max_elements)
     payload: Payload = cls.from_wire(meta, arrays, limits)
     return payload
 

@@ -8,9 +8,8 @@ tests can exercise lost-peer handling.
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import threading
+from collections import deque
 
 from fedring.transport.base import (
     Deadline,
@@ -22,7 +21,54 @@ from fedring.transport.base import (
     TransportTimeout,
 )
 
-_CLOSED = object()
+
+class _Inbox:
+    """FIFO of frames and events; only frames count against `max_frames`.
+
+    Membership events are never refused: a flooded receiver must still learn
+    that a peer died, in order with the frames that peer sent before it did.
+    """
+
+    def __init__(self, max_frames: int) -> None:
+        self.max_frames = max_frames
+        self._items: deque[Delivery | MembershipEvent] = deque()
+        self._frames = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def put_frame(self, item: Delivery, deadline: Deadline) -> bool:
+        with self._cond:
+            while self._frames >= self.max_frames and not self._closed:
+                if not self._cond.wait(deadline.remaining()) and deadline.expired:
+                    return False
+            self._items.append(item)
+            self._frames += 1
+            self._cond.notify_all()
+            return True
+
+    def put_event(self, event: MembershipEvent) -> None:
+        with self._cond:
+            self._items.append(event)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def get(self, deadline: Deadline) -> Delivery | MembershipEvent | None:
+        """The next item; None when closed; raise `TransportTimeout` at the deadline."""
+        with self._cond:
+            while not self._items and not self._closed:
+                if not self._cond.wait(deadline.remaining()) and deadline.expired:
+                    raise TransportTimeout("nothing arrived before the deadline")
+            if self._closed:
+                return None
+            item = self._items.popleft()
+            if isinstance(item, Delivery):
+                self._frames -= 1
+                self._cond.notify_all()
+            return item
 
 
 class InprocEndpoint:
@@ -32,47 +78,47 @@ class InprocEndpoint:
         self.name = name
         self.stats = LinkStats()
         self._hub = hub
-        self._inbox: queue.Queue[object] = queue.Queue(maxsize=max_queue)
+        self._inbox = _Inbox(max_queue)
         self._closed = False
 
     def send(self, dst: str, data: bytes, deadline: Deadline) -> None:
+        """Queue `data` for `dst`, waiting for room until `deadline`."""
         if self._closed:
             raise EndpointClosed(f"endpoint {self.name!r} is closed")
         target = self._hub._lookup(dst)
-        try:
-            target._inbox.put(Delivery(self.name, data), timeout=deadline.remaining())
-        except queue.Full as exc:
-            raise TransportTimeout(f"inbox of {dst!r} stayed full until the deadline") from exc
+        if not target._inbox.put_frame(Delivery(self.name, data), deadline):
+            raise TransportTimeout(f"inbox of {dst!r} stayed full until the deadline")
         self.stats.frames_sent += 1
         self.stats.bytes_sent += len(data)
         self.stats.per_peer_sent[dst] = self.stats.per_peer_sent.get(dst, 0) + len(data)
 
     def recv(self, deadline: Deadline) -> Delivery | MembershipEvent:
+        """The next frame or membership event, in arrival order."""
         if self._closed:
             raise EndpointClosed(f"endpoint {self.name!r} is closed")
         try:
-            item = self._inbox.get(timeout=deadline.remaining())
-        except queue.Empty as exc:
+            item = self._inbox.get(deadline)
+        except TransportTimeout as exc:
             raise TransportTimeout(f"{self.name!r} received nothing before the deadline") from exc
-        if item is _CLOSED:
-            raise EndpointClosed(f"endpoint {self.name!r} was killed")
+        if item is None:
+            raise EndpointClosed(f"endpoint {self.name!r} was closed or killed")
         if isinstance(item, Delivery):
             self.stats.frames_received += 1
             self.stats.bytes_received += len(item.data)
-        return item  # type: ignore[return-value]
+        return item
 
     def peers(self) -> frozenset[str]:
         return self._hub.names() - {self.name}
 
     def close(self) -> None:
+        """Leave: peers see a `left` event; a blocked `recv` here wakes and raises."""
         if not self._closed:
             self._closed = True
-            self._hub._remove(self.name, "left")
+            self._hub._remove(self, "left")
+            self._inbox.close()
 
     def _event(self, event: MembershipEvent) -> None:
-        # A flooded inbox still learns of the change from peers().
-        with contextlib.suppress(queue.Full):
-            self._inbox.put_nowait(event)
+        self._inbox.put_event(event)
 
 
 class InprocTransport:
@@ -84,6 +130,7 @@ class InprocTransport:
         self._endpoints: dict[str, InprocEndpoint] = {}
 
     def connect(self, name: str) -> InprocEndpoint:
+        """A new endpoint called `name`; the others see a `joined` event."""
         if not name or "/" in name or "+" in name or "#" in name:
             raise ValueError(f"endpoint name {name!r} must be non-empty without '/', '+' or '#'")
         with self._lock:
@@ -103,8 +150,8 @@ class InprocTransport:
         if endpoint is None:
             raise ValueError(f"no endpoint {name!r} to kill")
         endpoint._closed = True
-        self._remove(name, "lost")
-        endpoint._inbox.put(_CLOSED)  # wake a receiver blocked in recv()
+        self._remove(endpoint, "lost")
+        endpoint._inbox.close()  # wakes a receiver blocked in recv(), never blocks
 
     def names(self) -> frozenset[str]:
         with self._lock:
@@ -117,9 +164,11 @@ class InprocTransport:
             raise PeerUnreachable(f"no endpoint {name!r} is connected")
         return endpoint
 
-    def _remove(self, name: str, kind: str) -> None:
+    def _remove(self, endpoint: InprocEndpoint, kind: str) -> None:
         with self._lock:
-            self._endpoints.pop(name, None)
+            if self._endpoints.get(endpoint.name) is not endpoint:
+                return  # already gone, or the name now belongs to a newer endpoint
+            del self._endpoints[endpoint.name]
             others = list(self._endpoints.values())
         for other in others:
-            other._event(MembershipEvent(kind, name))  # type: ignore[arg-type]
+            other._event(MembershipEvent(kind, endpoint.name))  # type: ignore[arg-type]

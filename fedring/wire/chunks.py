@@ -110,6 +110,11 @@ class SeenWindow:
         self._seen: dict[str, set[int]] = {}
         self._high: dict[str, int] = {}
 
+    def forget(self, src: str) -> None:
+        """Start afresh for `src` (it restarted and counts from 0 again)."""
+        self._seen.pop(src, None)
+        self._high.pop(src, None)
+
     def first_time(self, src: str, seq: int) -> bool:
         """True the first time (src, seq) is seen; False for a repeat or a too-old seq."""
         high = self._high.get(src, -1)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from fedring.collective import CollectiveTimeout, PeerChannel, PeerLost, Ring
+from fedring.compression import DenseChunk
 from fedring.counters import Counters
-from fedring.transport import InprocTransport
+from fedring.transport import Deadline, InprocTransport
 
 
 def _ring(
@@ -101,10 +102,10 @@ def test_a_payload_of_the_wrong_shape_is_refused() -> None:
 
     t = threading.Thread(target=run_b)
     t.start()
-    with pytest.raises(CollectiveTimeout, match="unexpected"):
+    with pytest.raises(CollectiveTimeout, match="numel'=10 not in"):
         a.allreduce_dense(torch.ones(8))  # b sends chunks of a 10-entry vector
     t.join(5)
-    assert counters.get("frame_unexpected") >= 1
+    assert counters.get("frame_shape_mismatch") >= 1  # refused before decoding its arrays
     assert b_failed, "b should have refused a's chunks too"
 
 
@@ -115,3 +116,16 @@ def test_ring_membership_is_checked() -> None:
         Ring(ch, ("a", "b"))
     with pytest.raises(ValueError, match="repeat"):
         Ring(ch, ("x", "a", "x"))
+
+
+def test_a_chunk_for_the_wrong_range_is_refused_as_unexpected() -> None:
+    hub = InprocTransport()
+    counters = Counters()
+    a = _ring(hub, ("a", "b"), "a", b"k", timeout_s=0.5, counters=counters)
+    b = PeerChannel(hub.connect("b"), "job", key=b"k")
+    # a awaits entries [4, 8) of an 8-entry vector at rs step 0; b sends [0, 4)
+    wrong = DenseChunk(8, 0, torch.ones(4))
+    b.send("a", wrong, round=0, step=0, phase="rs", deadline=Deadline.after(1))
+    with pytest.raises(CollectiveTimeout, match="unexpected"):
+        a.allreduce_dense(torch.ones(8))
+    assert counters.get("frame_unexpected") == 1
