@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from fedring.collective.channel import PeerChannel
+from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.collective.ring import Ring
 from fedring.counters import Counters
 from fedring.transport.base import LinkStats
@@ -65,6 +65,12 @@ def run_local_ring(
     try:
         with ThreadPoolExecutor(max_workers=world, thread_name_prefix="ring") as pool:
             futures = [pool.submit(member, ring) for ring in rings]
+            errors = [f.exception() for f in futures]
+            # The root cause is the failure that is not a neighbour's reaction to it.
+            causes = [e for e in errors if e is not None and not isinstance(e, CollectiveError)]
+            first = causes or [e for e in errors if e is not None]
+            if first:
+                raise first[0]
             results = [f.result() for f in futures]
     finally:
         for ch in channels:

@@ -93,6 +93,15 @@ class ErrorFeedback:
             )
         if float(state["momentum"]) != self.momentum:
             raise ValueError(f"checkpoint momentum {float(state['momentum'])} != {self.momentum}")
-        self.residual.copy_(residual)
         if self.velocity is not None:
-            self.velocity.copy_(state["velocity"])
+            velocity = state.get("velocity")
+            if (
+                velocity is None
+                or velocity.shape != (self.numel,)
+                or velocity.dtype != torch.float32
+            ):
+                raise ValueError(
+                    f"velocity must be ({self.numel},) float32 with momentum {self.momentum}"
+                )
+            self.velocity.copy_(velocity)
+        self.residual.copy_(residual)

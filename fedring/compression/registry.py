@@ -26,9 +26,14 @@ from fedring.compression.sparse import GroupSparse, SparseGroups
 from fedring.wire.arrays import unpack_arrays
 from fedring.wire.errors import FrameError, FrameReason
 
-PAYLOADS: Mapping[str, type[Any]] = {
-    cls.codec_id: cls for cls in (DenseChunk, Int8Groups, SignBits, SparseGroups, GroupSparse)
-}
+_PAYLOAD_TYPES: tuple[type[Any], ...] = (
+    DenseChunk,
+    Int8Groups,
+    SignBits,
+    SparseGroups,
+    GroupSparse,
+)
+PAYLOADS: Mapping[str, type[Any]] = {cls.codec_id: cls for cls in _PAYLOAD_TYPES}
 
 COMPRESSORS: Mapping[str, Callable[..., Compressor]] = {
     "none": lambda **kw: DenseCodec("fp32"),
@@ -70,7 +75,7 @@ def _check() -> None:
         missing = [m for m in members if not hasattr(cls, m)]
         if missing or cls.codec_id != codec_id:
             raise TypeError(f"payload codec {codec_id!r} is incomplete: missing {missing}")
-    if len(PAYLOADS) != 5:
+    if len(PAYLOADS) != len(_PAYLOAD_TYPES):
         raise TypeError("two payload types share a codec id")
     for name, make in COMPRESSORS.items():
         produced = make().codec_id

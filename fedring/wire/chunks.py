@@ -52,12 +52,28 @@ class _Pending:
 
 
 class Reassembler:
-    """Collects parts into payloads; bounded in pending messages and bytes."""
+    """Collects parts into payloads; bounded in pending messages and bytes.
 
-    def __init__(self, limits: FrameLimits | None = None, max_pending: int = 64) -> None:
+    A payload may not announce more parts than `max_payload_bytes` needs, and the
+    bytes held for incomplete payloads stay below `max_pending_bytes`: the oldest
+    incomplete payloads are abandoned first.
+    """
+
+    def __init__(
+        self,
+        limits: FrameLimits | None = None,
+        max_pending: int = 64,
+        max_payload_bytes: int = 64 << 20,
+        max_pending_bytes: int = 128 << 20,
+    ) -> None:
         self.limits = limits or FrameLimits()
         self.max_pending = max_pending
+        self.max_parts = min(
+            self.limits.max_parts, -(-max_payload_bytes // self.limits.max_body_bytes)
+        )
+        self.max_pending_bytes = max_pending_bytes
         self._pending: OrderedDict[tuple[str, int], _Pending] = OrderedDict()
+        self._held = 0  # bytes of parts held for incomplete payloads
 
     def add(self, frame: Frame) -> tuple[Frame, bytearray] | None:
         """Return ``(first_part, payload)`` once `frame` completes a message."""
@@ -70,20 +86,24 @@ class Reassembler:
             raise FrameError(FrameReason.BAD_PART, f"part {i}/{n} lacks msg or payload_sha256")
         if frame.seq != msg + i:
             raise FrameError(FrameReason.BAD_PART, f"part {i} has seq {frame.seq}, msg {msg}")
+        if n > self.max_parts:
+            raise FrameError(FrameReason.OVERSIZE, f"payload of {n} parts > {self.max_parts}")
         key = (frame.src, msg)
         header = (frame.kind, frame.job, frame.round, frame.step, frame.phase, frame.dst)
         pending = self._pending.get(key)
         if pending is None:
             pending = self._open(key, n, digest, header)
         if (pending.n, pending.digest, pending.header) != (n, digest, header):
-            del self._pending[key]
+            self._drop(key)
             raise FrameError(FrameReason.BAD_PART, f"part {i}/{n} disagrees with its siblings")
         if len(frame.body) > self.limits.max_body_bytes:
             raise FrameError(FrameReason.OVERSIZE, f"part body of {len(frame.body)} bytes")
+        self._held += len(frame.body) - len(pending.parts.get(i, b""))
         pending.parts[i] = frame.body
         if len(pending.parts) < n:
+            self._shed(keep=key)
             return None
-        del self._pending[key]
+        self._drop(key)
         payload = bytearray().join(pending.parts[j] for j in range(n))
         if sha256(payload) != digest:
             raise FrameError(FrameReason.BAD_SHA256, f"payload msg={msg} from {frame.src!r}")
@@ -93,10 +113,26 @@ class Reassembler:
         self, key: tuple[str, int], n: int, digest: bytes, header: tuple[Any, ...]
     ) -> _Pending:
         if len(self._pending) >= self.max_pending:
-            self._pending.popitem(last=False)  # oldest incomplete message is abandoned
+            self._drop(next(iter(self._pending)))  # oldest incomplete message is abandoned
         pending = _Pending(n=n, digest=digest, header=header)
         self._pending[key] = pending
         return pending
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        pending = self._pending.pop(key)
+        self._held -= sum(len(b) for b in pending.parts.values())
+
+    def _shed(self, keep: tuple[str, int]) -> None:
+        """Abandon the oldest incomplete payloads until the held bytes fit."""
+        while self._held > self.max_pending_bytes:
+            oldest = next(k for k in self._pending if k != keep) if len(self._pending) > 1 else keep
+            self._drop(oldest)
+            if oldest == keep:
+                break
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
 
     def pending(self) -> Iterator[tuple[str, int]]:
         return iter(list(self._pending))

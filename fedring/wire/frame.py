@@ -41,10 +41,20 @@ class FrameLimits:
     max_map_len: int = 32
     max_parts: int = 4096  # a payload split over more frames than this is refused
 
+    def __post_init__(self) -> None:
+        if self.max_frame_bytes < 8192:
+            raise ValueError(
+                f"max_frame_bytes={self.max_frame_bytes} must be >= 8192 (4 KiB of header room "
+                "plus at least 4 KiB of body)"
+            )
+        for name in ("max_depth", "max_str_len", "max_array_len", "max_map_len", "max_parts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
     @property
     def max_body_bytes(self) -> int:
         """Room for the body once a generous header allowance is taken off."""
-        return max(1024, self.max_frame_bytes - 4096)
+        return self.max_frame_bytes - 4096
 
 
 @dataclass(frozen=True)

@@ -268,8 +268,8 @@ def test_oversize_frame() -> None:
     data = encode_frame(sample_frame(body=b"\x00" * limits.max_frame_bytes))
     assert len(data) > limits.max_frame_bytes
     assert_reason(data, FrameReason.OVERSIZE)
-    small = FrameLimits(max_frame_bytes=2048)
-    data = encode_frame(sample_frame(body=b"\x00" * 2048))
+    small = FrameLimits(max_frame_bytes=8192)
+    data = encode_frame(sample_frame(body=b"\x00" * 8192))
     assert_reason(data, FrameReason.OVERSIZE, limits=small)
     assert_reason(data[: small.max_frame_bytes + 1], FrameReason.OVERSIZE, limits=small)
 
@@ -722,3 +722,35 @@ def test_channel_counts_duplicate() -> None:
     assert torch.equal(got.decompress(), second.decompress())
     assert receiver.counters.get("duplicate") == 1
     assert not any(k.startswith("frame_") for k in receiver.counters.snapshot())
+
+
+def test_limits_that_cannot_hold_a_header_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_frame_bytes=1024"):
+        FrameLimits(max_frame_bytes=1024)
+    with pytest.raises(ValueError, match="max_depth=0"):
+        FrameLimits(max_depth=0)
+
+
+def test_reassembler_refuses_more_parts_than_a_payload_may_need() -> None:
+    limits = FrameLimits(max_frame_bytes=8192)
+    parts = Reassembler(limits, max_payload_bytes=10 * limits.max_body_bytes)
+    frames = split_payload(sample_frame(), b"\x01" * (11 * limits.max_body_bytes), 0, limits)
+    with pytest.raises(FrameError) as info:
+        parts.add(frames[0])
+    assert info.value.reason is FrameReason.OVERSIZE
+
+
+def test_reassembler_holds_a_bounded_number_of_bytes() -> None:
+    limits = FrameLimits(max_frame_bytes=8192)
+    cap = 8 * limits.max_body_bytes
+    parts = Reassembler(limits, max_pending_bytes=cap)
+    for msg in range(50):  # 50 payloads of 4 parts, each missing its last part
+        frames = split_payload(
+            sample_frame(), bytes([msg]) * (4 * limits.max_body_bytes), msg * 10, limits
+        )
+        for f in frames[:3]:
+            assert parts.add(f.replace(src=f"s{msg}")) is None
+        assert parts.held_bytes <= cap
+    frames = split_payload(sample_frame(), b"\x07" * (4 * limits.max_body_bytes), 1000, limits)
+    done = [parts.add(f) for f in frames]
+    assert done[-1] is not None and bytes(done[-1][1]) == b"\x07" * (4 * limits.max_body_bytes)
