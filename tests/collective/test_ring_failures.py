@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from fedring.collective import CollectiveTimeout, PeerChannel, PeerLost, Ring
+from fedring.collective import CollectiveTimeout, PeerChannel, PeerLost, Ring, run_local_ring
 from fedring.compression import DenseChunk
 from fedring.counters import Counters
 from fedring.transport import Deadline, InprocTransport
@@ -129,3 +129,39 @@ def test_a_chunk_for_the_wrong_range_is_refused_as_unexpected() -> None:
     with pytest.raises(CollectiveTimeout, match="unexpected"):
         a.allreduce_dense(torch.ones(8))
     assert counters.get("frame_unexpected") == 1
+
+
+def test_a_member_that_never_connected_is_a_lost_peer() -> None:
+    hub = InprocTransport()
+    ring = _ring(hub, ("a", "b"), "a", b"k", timeout_s=5.0)
+    with pytest.raises(PeerLost, match="'b'"):
+        ring.allreduce_dense(torch.ones(4))
+
+
+def test_a_restarted_peer_is_heard_again() -> None:
+    hub = InprocTransport()
+    receiver = PeerChannel(hub.connect("r"), "job", key=b"k")
+    first = PeerChannel(hub.connect("s"), "job", key=b"k")
+    chunk = DenseChunk(4, 0, torch.ones(4))
+    for step in range(5):
+        first.send("r", chunk, round=0, step=step, phase="p", deadline=Deadline.after(1))
+        receiver.recv("s", round=0, step=step, phase="p", deadline=Deadline.after(1))
+    first.endpoint.close()
+    again = PeerChannel(hub.connect("s"), "job", key=b"k")  # counts seq from 0 again
+    again.send("r", chunk, round=1, step=0, phase="p", deadline=Deadline.after(1))
+    with pytest.raises(PeerLost):  # first the receiver learns that the old 's' left...
+        receiver.recv("s", round=1, step=0, phase="p", deadline=Deadline.after(1))
+    # ...then, re-synchronised, it waits again and hears the new 's' from seq 0
+    got = receiver.recv("s", round=1, step=0, phase="p", deadline=Deadline.after(1))
+    assert torch.equal(got.decompress(), torch.ones(4))
+    assert receiver.counters.get("duplicate") == 0
+
+
+def test_run_local_ring_reports_the_root_cause_not_the_neighbours_reaction() -> None:
+    def member(ring: Ring) -> torch.Tensor:
+        if ring.rank == 2:
+            raise RuntimeError("the real cause")
+        return ring.allreduce_dense(torch.ones(8))
+
+    with pytest.raises(RuntimeError, match="the real cause"):
+        run_local_ring(4, member, timeout_s=5.0)

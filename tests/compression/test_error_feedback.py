@@ -77,3 +77,10 @@ def test_bad_arguments() -> None:
         ErrorFeedback(3, momentum=1.0)
     with pytest.raises(ValueError, match="4 entries"):
         ErrorFeedback(3).compensate(torch.zeros(4))
+
+
+def test_load_refuses_a_velocity_of_another_shape() -> None:
+    state = ErrorFeedback(5, momentum=0.5).state_dict()
+    state["velocity"] = torch.tensor([7.0])
+    with pytest.raises(ValueError, match="velocity"):
+        ErrorFeedback(5, momentum=0.5).load_state_dict(state)

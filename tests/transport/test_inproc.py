@@ -103,3 +103,29 @@ def test_a_name_cannot_be_taken_twice_and_kill_needs_a_live_name() -> None:
         hub.connect("a")
     with pytest.raises(ValueError, match="no endpoint 'zz'"):
         hub.kill("zz")
+
+
+def test_kill_does_not_block_on_a_full_inbox() -> None:
+    hub = InprocTransport(max_queue=2)
+    a, victim = hub.connect("a"), hub.connect("v")
+    a.send("v", b"1", Deadline.after(1))
+    a.send("v", b"2", Deadline.after(1))
+    done = threading.Event()
+    threading.Thread(target=lambda: (hub.kill("v"), done.set()), daemon=True).start()
+    assert done.wait(2), "kill() blocked on the victim's full inbox"
+    with pytest.raises(EndpointClosed):
+        victim.recv(Deadline.after(1))
+
+
+def test_a_full_inbox_still_learns_that_a_peer_died_after_its_frames() -> None:
+    hub = InprocTransport(max_queue=1)
+    x = hub.connect("x")
+    y = hub.connect("y")
+    y.send("x", b"last words", Deadline.after(1))  # x's inbox is now full of frames
+    hub.kill("y")
+    got = [x.recv(Deadline.after(1)) for _ in range(3)]
+    assert got == [
+        MembershipEvent("joined", "y"),
+        Delivery("y", b"last words"),
+        MembershipEvent("lost", "y"),
+    ]
