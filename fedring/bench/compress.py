@@ -1,10 +1,11 @@
 """`fedring bench compress`: group-top-k beside global top-k compressors.
 
-Baselines, timed in the same run on the same vector:
-- global top-k (GRACE / DGC "TopK"): ``torch.topk(|x|, k)`` over the whole vector,
+Baselines, timed in the same run on the same vector and keeping the same number
+of entries as ours (k per group times the number of groups):
+- global top-k (GRACE / DGC "TopK"): ``torch.topk(|x|, K)`` over the whole vector,
   then gather the values; indices as int32, values as the same dtype as ours;
-- DGC sampled threshold: estimate the k-th magnitude from a 1% sample, then keep
-  everything above it (approximate k).
+- DGC sampled threshold: estimate the K-th magnitude from a 1% sample, then keep
+  everything above it (approximately K).
 
 "select + encode" is everything from the flat float32 vector to compact arrays
 ready for a body (indices narrowed, values cast, int8 scales). Wire bytes are the
@@ -23,6 +24,7 @@ from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import PayloadLimits
 from fedring.compression.registry import decode_payload
+from fedring.compression.sparse import n_groups
 from fedring.compression.values import BYTES_PER_VALUE, ValueDtype, torch_dtype
 from fedring.wire.arrays import pack_arrays
 from fedring.wire.chunks import Reassembler, split_payload
@@ -82,7 +84,8 @@ def run(
 ) -> dict[str, Any]:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
     ours = GroupTopK.from_density(density, group_size, value_dtype)
-    k_global = max(1, round(density * numel))
+    # Same number of entries as ours (k per group, the padded tail group included).
+    k_global = min(numel, ours.k * n_groups(numel, group_size))
     vt = torch_dtype(value_dtype) if value_dtype not in ("int8", "sign") else torch.float16
     limits = FrameLimits()
 

@@ -17,11 +17,13 @@ Sparse policies for group-top-k input:
   Bytes per member stay 2(N-1)/N of one compressed gradient whatever N is.
 
 Conservation invariant of ``bounded`` (nothing dropped is lost): every hop keeps
-``accumulated - decompress(sent)`` computed exactly (see `values.exactify`), so
+``accumulated - decompress(sent)`` computed exactly for fp32/fp16/bf16/int8 values
+(see `values.exactify`; sign values to one rounding), so
 
     sum over members of the sparse inputs == result + sum over members of kept
 
-holds term by term; with inputs whose sums are exact in fp32 (as in the tests) it
+up to the rounding of the ring's own additions, like any float all-reduce; where
+those additions are exact (dyadic inputs, fp32/fp16 values, as in the tests) it
 holds bit for bit. Callers add `kept` to their error-feedback residual.
 
 A DGC-style sparse all-gather (every member's whole payload forwarded around the

@@ -33,18 +33,31 @@ def test_schedule_refuses_bad_values(kwargs: dict) -> None:
         DensitySchedule(**kwargs)
 
 
-def test_delta_agents_agree_after_committing_the_same_update() -> None:
+def test_delta_is_the_change_since_the_reference_and_commit_moves_it() -> None:
     start = torch.randn(500)
-    a, b = DeltaEncoder(start), DeltaEncoder(start)
-    local_a, local_b = start + 0.1 * torch.randn(500), start + 0.1 * torch.randn(500)
-    topk = GroupTopK(50, 5)
-    agreed = (
-        topk.compress(a.delta(local_a)).decompress() + topk.compress(b.delta(local_b)).decompress()
-    ) / 2
+    enc = DeltaEncoder(start)
+    local = start + 0.1 * torch.randn(500)
+    delta = enc.delta(local)
+    assert torch.equal(delta, local - start)
+    assert torch.equal(enc.reference, start)  # encoding does not move the reference
+    sent = GroupTopK(50, 5).compress(delta).decompress()
+    before = enc.digest()
+    enc.commit_delta(sent)
+    assert torch.equal(enc.reference, start + sent)
+    assert enc.digest() != before
+
+
+def test_agents_agree_iff_they_commit_the_same_delta() -> None:
+    start = torch.randn(100)
+    a, b, c = DeltaEncoder(start), DeltaEncoder(start), DeltaEncoder(start)
+    agreed = torch.randn(100)
     a.commit_delta(agreed)
-    b.commit_delta(agreed)
-    assert a.digest() == b.digest()
-    assert not torch.equal(a.reference, start)
+    b.commit_delta(agreed.clone())
+    c.commit_delta(agreed + torch.finfo(torch.float32).eps)
+    assert a.digest() == b.digest() != c.digest()
+    restored = DeltaEncoder(torch.zeros(100))
+    restored.load_state_dict(a.state_dict())
+    assert restored.digest() == a.digest()
 
 
 def test_delta_refuses_other_shapes() -> None:
