@@ -91,39 +91,7 @@ def bench_compress(
     from fedring.bench import compress
 
     r = compress.run(numel, density, group_size, value_dtype.value, repeats, seed)
-    table = Table(
-        title=f"compress {numel:,} fp32, density {density} (k={r['k']} of G={group_size})"
-    )
-    for col in ("", "fedring group-top-k", "global torch.topk", "DGC sampled"):
-        table.add_column(col, justify="right")
-    table.add_row(
-        "select+encode ms",
-        f"{r['group_topk_ms']:.1f}",
-        f"{r['global_topk_ms']:.1f}",
-        f"{r['dgc_sampled_ms']:.1f}",
-    )
-    table.add_row(
-        "speed-up",
-        f"{r['speedup_vs_global_topk']:.1f}x",
-        "1.0x",
-        f"{r['global_topk_ms'] / r['dgc_sampled_ms']:.1f}x",
-    )
-    table.add_row(
-        "bytes", f"{r['bytes_compressed']:,} (wire)", f"{r['bytes_global_topk']:,} (payload)", ""
-    )
-    table.add_row(
-        "dense fp32 / bytes",
-        f"{r['compression_ratio']:.1f}x",
-        f"{r['bytes_dense_fp32'] / r['bytes_global_topk']:.1f}x",
-        "",
-    )
-    table.add_row(
-        "energy kept",
-        f"{r['energy_kept_group_topk']:.3f}",
-        f"{r['energy_kept_global_topk']:.3f}",
-        "",
-    )
-    _emit(r, as_json, table)
+    _emit(r, as_json, _compress_table(r))
 
 
 @bench_app.command("ring")
@@ -167,9 +135,50 @@ def bench_ring(
             seed,
             on_row=lambda _: progress.advance(task),
         )
+    _emit(r, as_json, _ring_table(r))
+
+
+def _compress_table(r: dict[str, Any]) -> Table:
     table = Table(
-        title=f"bytes sent per agent (x fewer than dense), {numel:,} entries, "
-        f"density {density}, G={group_size}"
+        title=f"compress {r['numel']:,} fp32, density {r['density']} "
+        f"(k={r['k']} of G={r['group_size']})"
+    )
+    for col in ("", "fedring group-top-k", "global torch.topk", "DGC sampled"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        "select+encode ms",
+        f"{r['group_topk_ms']:.1f}",
+        f"{r['global_topk_ms']:.1f}",
+        f"{r['dgc_sampled_ms']:.1f}",
+    )
+    table.add_row(
+        "speed-up",
+        f"{r['speedup_vs_global_topk']:.1f}x",
+        "1.0x",
+        f"{r['global_topk_ms'] / r['dgc_sampled_ms']:.1f}x",
+    )
+    table.add_row(
+        "bytes", f"{r['bytes_compressed']:,} (wire)", f"{r['bytes_global_topk']:,} (payload)", ""
+    )
+    table.add_row(
+        "dense fp32 / bytes",
+        f"{r['compression_ratio']:.1f}x",
+        f"{r['bytes_dense_fp32'] / r['bytes_global_topk']:.1f}x",
+        "",
+    )
+    table.add_row(
+        "energy kept",
+        f"{r['energy_kept_group_topk']:.3f}",
+        f"{r['energy_kept_global_topk']:.3f}",
+        "",
+    )
+    return table
+
+
+def _ring_table(r: dict[str, Any]) -> Table:
+    table = Table(
+        title=f"bytes sent per agent (x fewer than dense), {r['numel']:,} entries, "
+        f"density {r['density']}, G={r['group_size']}"
     )
     schemes = {
         "dense": "dense fp32",
@@ -185,7 +194,7 @@ def bench_ring(
             f"{row[s]['bytes_per_agent']:,.0f} ({row[s]['ratio_vs_dense']:.1f}x)" for s in schemes
         ]
         table.add_row(str(row["agents"]), *cells)
-    _emit(r, as_json, table)
+    return table
 
 
 def main() -> None:

@@ -236,17 +236,22 @@ class DenseCodec:
 
 @dataclass(frozen=True)
 class Int8Quantizer:
+    """int8 with one float32 scale (max |x| / 127) per group of `group_size`."""
+
     codec_id = "int8"
     group_size: int = 256
 
     def compress(self, x: torch.Tensor) -> Int8Groups:
         q, scales = encode_values(_pad_rows(x.reshape(-1), self.group_size), "int8")
-        assert scales is not None
+        if scales is None:  # encode_values always scales int8; this guards a refactor
+            raise RuntimeError("int8 encoding returned no scales")
         return Int8Groups(x.numel(), 0, self.group_size, q.reshape(-1)[: x.numel()].clone(), scales)
 
 
 @dataclass(frozen=True)
 class SignQuantizer:
+    """One bit per entry plus the group's mean |x| (EF-signSGD); pair with feedback."""
+
     codec_id = "sign"
     group_size: int = 4096
 
