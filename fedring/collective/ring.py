@@ -32,6 +32,7 @@ ring, bytes growing with N) is here as the baseline the benchmarks compare with.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -106,6 +107,47 @@ class Ring:
             limits=PayloadLimits(max_numel=payload.numel),  # nothing bigger than ours is decoded
         )
 
+    def reduce_scatter(
+        self,
+        make: Callable[[int], Payload],
+        absorb: Callable[[int, Payload], None],
+        *,
+        bounds: list[tuple[int, int]],
+        expect: type,
+        phase: str,
+        round: int,
+    ) -> int:
+        """N-1 steps: send ``make(chunk)`` right, ``absorb(chunk, payload)`` from the left.
+
+        Returns the chunk this member now holds fully reduced: (rank + 1) mod N.
+        """
+        for s in range(self.world - 1):
+            send_c, recv_c = (self.rank - s) % self.world, (self.rank - s - 1) % self.world
+            got = self.exchange(
+                make(send_c), round=round, step=s, phase=phase, expect=expect, span=bounds[recv_c]
+            )
+            absorb(recv_c, got)
+        return (self.rank + 1) % self.world
+
+    def all_gather(
+        self,
+        mine: Payload,
+        absorb: Callable[[int, Payload], None],
+        *,
+        bounds: list[tuple[int, int]],
+        expect: type,
+        phase: str,
+        round: int,
+    ) -> None:
+        """N-1 steps circulating reduced chunks unchanged, starting with `mine`."""
+        current = mine
+        for s in range(self.world - 1):
+            recv_c = (self.rank - s) % self.world
+            current = self.exchange(
+                current, round=round, step=s, phase=phase, expect=expect, span=bounds[recv_c]
+            )
+            absorb(recv_c, current)
+
     def allreduce_dense(self, x: torch.Tensor, *, round: int = 0) -> torch.Tensor:
         """Sum of the members' flat float32 vectors (the uncompressed baseline)."""
         acc = x.detach().reshape(-1).to(torch.float32).clone()
@@ -115,29 +157,21 @@ class Ring:
             a, b = bounds[c]
             return DenseChunk(acc.numel(), a, acc[a:b].clone())
 
-        for s in range(self.world - 1):
-            send_c, recv_c = (self.rank - s) % self.world, (self.rank - s - 1) % self.world
-            got = self.exchange(
-                chunk(send_c),
-                round=round,
-                step=s,
-                phase="rs",
-                expect=DenseChunk,
-                span=bounds[recv_c],
-            )
-            got.add_to(acc)
-        for s in range(self.world - 1):
-            send_c, recv_c = (self.rank + 1 - s) % self.world, (self.rank - s) % self.world
-            got = self.exchange(
-                chunk(send_c),
-                round=round,
-                step=s,
-                phase="ag",
-                expect=DenseChunk,
-                span=bounds[recv_c],
-            )
-            a, b = bounds[recv_c]
-            acc[a:b].copy_(got.values)  # type: ignore[attr-defined]
+        def replace(c: int, p: Payload) -> None:
+            a, b = bounds[c]
+            acc[a:b].copy_(p.values)  # type: ignore[attr-defined]
+
+        mine = self.reduce_scatter(
+            chunk,
+            lambda _, p: p.add_to(acc),
+            bounds=bounds,
+            expect=DenseChunk,
+            phase="rs",
+            round=round,
+        )
+        self.all_gather(
+            chunk(mine), replace, bounds=bounds, expect=DenseChunk, phase="ag", round=round
+        )
         return acc
 
     def allreduce_sparse(
@@ -155,7 +189,6 @@ class Ring:
         kept = torch.zeros_like(acc)
         bounds = chunk_bounds(n_groups(sparse.numel, g), self.world)
         topk = GroupTopK(g, sparse.k, sparse.value_dtype)
-        expect: type = SparseGroups if policy == "bounded" else GroupSparse
 
         def reduce_chunk(c: int) -> Payload:
             if policy == "exact":
@@ -166,26 +199,26 @@ class Ring:
             sent.add_to(kept, alpha=-1.0)  # exact: kept == accumulated - sent
             return sent
 
-        for s in range(self.world - 1):
-            send_c, recv_c = (self.rank - s) % self.world, (self.rank - s - 1) % self.world
-            got = self.exchange(
-                reduce_chunk(send_c),
-                round=round,
-                step=s,
-                phase="rs",
-                expect=expect,
-                span=bounds[recv_c],
-            )
-            got.add_to(acc)
+        expect: type = SparseGroups if policy == "bounded" else GroupSparse
+        mine = self.reduce_scatter(
+            reduce_chunk,
+            lambda _, p: p.add_to(acc),
+            bounds=bounds,
+            expect=expect,
+            phase="rs",
+            round=round,
+        )
         out = torch.zeros_like(acc)
-        current = reduce_chunk((self.rank + 1) % self.world)
-        current.add_to(out)
-        for s in range(self.world - 1):
-            recv_c = (self.rank - s) % self.world
-            current = self.exchange(
-                current, round=round, step=s, phase="ag", expect=expect, span=bounds[recv_c]
-            )
-            current.add_to(out)
+        reduced = reduce_chunk(mine)
+        reduced.add_to(out)
+        self.all_gather(
+            reduced,
+            lambda _, p: p.add_to(out),
+            bounds=bounds,
+            expect=expect,
+            phase="ag",
+            round=round,
+        )
         return out, kept
 
     def allgather_sparse(self, sparse: SparseGroups, *, round: int = 0) -> torch.Tensor:

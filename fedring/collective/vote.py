@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from fedring.collective.ring import Ring, chunk_bounds
+from fedring.compression.payload import Payload
 from fedring.compression.quantize import DenseChunk, SignBits
 
 
@@ -27,27 +28,25 @@ def majority_vote(ring: Ring, x: torch.Tensor, *, round: int = 0) -> torch.Tenso
         a, b = bounds[c]
         return DenseChunk(numel, a, acc[a:b].to(count_dtype))
 
-    for s in range(ring.world - 1):
-        send_c, recv_c = (ring.rank - s) % ring.world, (ring.rank - s - 1) % ring.world
-        got = ring.exchange(
-            counts(send_c),
-            round=round,
-            step=s,
-            phase="vote-rs",
-            expect=DenseChunk,
-            span=bounds[recv_c],
-        )
-        a, b = bounds[recv_c]
-        acc[a:b] += got.values.to(torch.int32)  # type: ignore[attr-defined]
+    def add_counts(c: int, p: Payload) -> None:
+        a, b = bounds[c]
+        acc[a:b] += p.values.to(torch.int32)  # type: ignore[attr-defined]
+
+    def take_votes(c: int, p: Payload) -> None:
+        a, b = bounds[c]
+        votes[a:b] = p.signs()  # type: ignore[attr-defined]
+
+    mine = ring.reduce_scatter(
+        counts, add_counts, bounds=bounds, expect=DenseChunk, phase="vote-rs", round=round
+    )
     votes = torch.sign(acc).to(torch.int8)
-    mine = (ring.rank + 1) % ring.world
     a, b = bounds[mine]
-    current = SignBits.from_signs(votes[a:b], numel, a)
-    for s in range(ring.world - 1):
-        recv_c = (ring.rank - s) % ring.world
-        current = ring.exchange(
-            current, round=round, step=s, phase="vote-ag", expect=SignBits, span=bounds[recv_c]
-        )  # type: ignore[assignment]
-        a, b = bounds[recv_c]
-        votes[a:b] = current.signs()
+    ring.all_gather(
+        SignBits.from_signs(votes[a:b], numel, a),
+        take_votes,
+        bounds=bounds,
+        expect=SignBits,
+        phase="vote-ag",
+        round=round,
+    )
     return votes
