@@ -1,0 +1,165 @@
+"""JobSpec: everything that defines a training job, loaded from flags or a TOML file.
+
+One flat table of fields, each with one comment. A TOML job file holds the same
+keys at the top level (or under ``[job]``); unknown keys are refused and every
+error names the field and the value. `resolved()` is what `--out DIR` writes back.
+
+    >>> spec = JobSpec.from_mapping({"agents": 8, "density": 0.001})
+    >>> spec.agents, spec.k
+    (8, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from fedring.aggregation.rules import Aggregation
+
+SYNC_MODES = ("sync", "local", "adaptive", "async")
+COMPRESSIONS = ("none", "group-topk")
+POLICIES = ("bounded", "exact")
+TOPOLOGIES = ("ring", "star")
+LR_SCALINGS = ("linear", "sqrt", "none")
+VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
+
+
+class SpecError(ValueError):
+    """A job field with a bad value; the message names the field."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    agents: int = 4  # N agents in the ring
+    dataset: str = "digits"  # digits | mnist1d | synthetic[:N:D:C] | npz:PATH
+    model: str = "mlp"  # mlp | cnn | MODULE:FACTORY
+    sharding: str = "iid"  # iid | dirichlet:ALPHA | quantity:BETA
+    compression: str = "group-topk"  # none | group-topk
+    density: float = 0.01  # kept fraction per group (k = round(density * group_size))
+    group_size: int = 256  # G; <= 256 gives uint8 indices
+    value_dtype: str = "fp16"  # wire dtype of kept values
+    error_feedback: bool = True  # off only to measure its effect
+    policy: str = "bounded"  # sparse ring policy: bounded | exact
+    topology: str = "ring"  # ring | star (star allows median / trimmed)
+    sync: str = "sync"  # sync | local | adaptive | async
+    local_steps: int = 4  # H: local steps between syncs (local, adaptive, async)
+    aggregation: str = "mean"  # mean | weighted | vote | hybrid:L[-L2] | median | trimmed:B
+    weight_cap: float = 2.0  # weighted: no agent above cap x its equal share
+    async_wait: int = 1  # async soft sync: apply after this many updates (1 = plain async)
+    staleness_power: float = 0.5  # async weight 1 / (1 + staleness) ** power
+    slow: str = ""  # agent speed factors, e.g. "3:0" makes agent 0 three times slower
+    correction: float = 0.1  # adaptive: pull toward the global model during local steps
+    rounds: int = 300  # communication rounds
+    batch_size: int = 32  # per agent
+    lr: float = 0.05  # base learning rate, tuned for ref_batch on one node
+    ref_batch: int = 32  # batch size that lr was tuned for
+    lr_scaling: str = "linear"  # linear | sqrt | none (only when updates are averaged)
+    warmup_steps: int = 50  # gradual warm-up to the scaled lr (Goyal et al. 2017)
+    momentum: float = 0.9  # SGD momentum on the aggregated update
+    eval_every: int = 10  # rounds between evaluations (and divergence checks)
+    target_accuracy: float = 0.0  # stop once reached (0 = run all rounds)
+    seed: int = 0  # seeds data split, shards, init and batches
+    timeout_s: float = 60.0  # deadline of every ring step
+
+    def __post_init__(self) -> None:
+        _check_int(self, "agents", 1, 1024)
+        _check_choice(self, "compression", COMPRESSIONS)
+        _check_float(self, "density", 1e-6, 1.0)
+        _check_int(self, "group_size", 1, 65536)
+        _check_choice(self, "value_dtype", VALUE_DTYPES)
+        _check_choice(self, "policy", POLICIES)
+        _check_choice(self, "topology", TOPOLOGIES)
+        _check_choice(self, "sync", SYNC_MODES)
+        _check_choice(self, "lr_scaling", LR_SCALINGS)
+        for name in (
+            "local_steps",
+            "rounds",
+            "batch_size",
+            "ref_batch",
+            "eval_every",
+            "async_wait",
+        ):
+            _check_int(self, name, 1, 10**9)
+        _check_int(self, "warmup_steps", 0, 10**9)
+        _check_float(self, "lr", 1e-9, 100.0)
+        _check_float(self, "momentum", 0.0, 0.999)
+        _check_float(self, "weight_cap", 1.0, 1e9)
+        _check_float(self, "staleness_power", 0.0, 10.0)
+        _check_float(self, "correction", 0.0, 10.0)
+        _check_float(self, "target_accuracy", 0.0, 1.0)
+        _check_float(self, "timeout_s", 0.01, 3600.0)
+        if self.async_wait > self.agents:
+            raise SpecError(f"async_wait={self.async_wait} exceeds agents={self.agents}")
+        try:
+            agg = Aggregation.parse(self.aggregation)
+        except ValueError as exc:
+            raise SpecError(f"field 'aggregation': {exc}") from None
+        if agg.needs_star and self.topology != "star" and self.sync != "async":
+            raise SpecError(
+                f"field 'aggregation'={self.aggregation!r} needs every update in one place: "
+                "use topology='star' or sync='async'"
+            )
+
+    @property
+    def k(self) -> int:
+        return min(self.group_size, max(1, round(self.density * self.group_size)))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> JobSpec:
+        """Build from a mapping (a TOML table or flags); refuse unknown keys and bad types."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise SpecError(f"unknown field {unknown[0]!r}; known fields: {', '.join(known)}")
+        typed: dict[str, Any] = {}
+        for name, value in values.items():
+            want = type(getattr(cls(), name))
+            if want is float and type(value) is int:
+                value = float(value)
+            if type(value) is not want:
+                raise SpecError(f"field {name!r}={value!r} must be {want.__name__}")
+            typed[name] = value
+        return cls(**typed)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> JobSpec:
+        """Load a job file; `overrides` (from flags) win over the file."""
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise SpecError(f"job file {str(p)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError(f"job file {str(p)!r} is not valid TOML: {exc}") from None
+        table = data.get("job", data)
+        if not isinstance(table, dict):
+            raise SpecError(f"job file {str(p)!r}: [job] must be a table")
+        return cls.from_mapping({**table, **(overrides or {})})
+
+    def replace(self, **changes: Any) -> JobSpec:
+        return dataclasses.replace(self, **changes)
+
+    def resolved(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_int(spec: JobSpec, name: str, low: int, high: int) -> None:
+    value = getattr(spec, name)
+    if type(value) is not int or not low <= value <= high:
+        raise SpecError(f"field {name!r}={value!r} must be an integer in [{low}, {high}]")
+
+
+def _check_float(spec: JobSpec, name: str, low: float, high: float) -> None:
+    value = getattr(spec, name)
+    if not isinstance(value, (int, float)) or not low <= value <= high:
+        raise SpecError(f"field {name!r}={value!r} must be a number in [{low}, {high}]")
+
+
+def _check_choice(spec: JobSpec, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(spec, name)
+    if value not in choices:
+        raise SpecError(f"field {name!r}={value!r} must be one of {', '.join(choices)}")
