@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import typer
@@ -37,7 +37,7 @@ app.add_typer(bench_app, name="bench")
 err = Console(stderr=True)
 
 
-class ValueDtypeChoice(str, Enum):
+class ValueDtypeChoice(StrEnum):
     fp32 = "fp32"
     fp16 = "fp16"
     bf16 = "bf16"

@@ -7,10 +7,10 @@ one line, drops the frame and keeps waiting.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class FrameReason(str, Enum):
+class FrameReason(StrEnum):
     """Why a frame (or the payload inside it) was refused."""
 
     TRUNCATED = "truncated"  # msgpack ended before the value did

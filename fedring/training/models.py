@@ -1,0 +1,257 @@
+"""Models for fedring training, built from a spec string and seen as one flat vector.
+
+`build_model` turns a spec into a seeded `torch.nn.Module`:
+
+- ``"mlp"``: two hidden ReLU layers (128, 64) over the flattened features;
+- ``"cnn"``: a small 2-D CNN for ``(C, H, W)`` features (the 8x8 digits), or the
+  MNIST-1D paper's 1-D CNN for ``(C, L)`` features;
+- ``"MODULE:FACTORY"``: ``FACTORY(feature_shape=..., num_classes=...)`` imported
+  from ``MODULE``, for models fedring does not ship.
+
+Every agent builds its model from the same seed, so all replicas start bit-for-bit
+equal; `params_sha256` checks that cheaply. The global RNG is never disturbed.
+
+The flat-vector helpers read and write all parameters (or gradients) as one float32
+vector in `model.parameters()` order, the layout compression and the ring work on.
+
+    >>> model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    >>> flat_params(model).shape == (param_count(model),)
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+SPECS = ("mlp", "cnn", "MODULE:FACTORY")
+
+_Builder = Callable[[tuple[int, ...], int], nn.Sequential]
+
+
+class ModelError(ValueError):
+    """A model spec that cannot be built: unknown name, unfit shape or broken factory."""
+
+
+def _mlp(feature_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(math.prod(feature_shape), 128),
+        nn.ReLU(),
+        nn.Linear(128, 64),
+        nn.ReLU(),
+        nn.Linear(64, num_classes),
+    )
+
+
+def _cnn2d(channels: int, height: int, width: int, num_classes: int) -> nn.Sequential:
+    if height < 2 or width < 2:
+        raise ModelError(f"feature_shape={(channels, height, width)}: cnn needs H, W >= 2")
+    return nn.Sequential(
+        nn.Conv2d(channels, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * (height // 2) * (width // 2), 64),
+        nn.ReLU(),
+        nn.Linear(64, num_classes),
+    )
+
+
+def _cnn1d(channels: int, length: int, num_classes: int) -> nn.Sequential:
+    # The ConvBase of the MNIST-1D paper (Greydanus 2020, "Scaling down deep learning",
+    # arXiv:2011.14439; github.com/greydanus/mnist1d), about 94% test accuracy there:
+    # three Conv1d layers of 25 channels, stride 2, padding 1, kernels 5, 3, 3, each
+    # followed by ReLU, then one Linear on the flattened features (25 * 5 = 125 for L = 40).
+    out = length
+    for kernel in (5, 3, 3):
+        out = (out + 2 - kernel) // 2 + 1
+    if out < 1:
+        raise ModelError(f"feature_shape={(channels, length)}: cnn needs L >= 3, got L={length}")
+    return nn.Sequential(
+        nn.Conv1d(channels, 25, 5, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv1d(25, 25, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv1d(25, 25, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(25 * out, num_classes),
+    )
+
+
+def _cnn(feature_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
+    if len(feature_shape) == 3:
+        return _cnn2d(*feature_shape, num_classes)
+    if len(feature_shape) == 2:
+        return _cnn1d(*feature_shape, num_classes)
+    raise ModelError(
+        f"feature_shape={feature_shape}: cnn needs (C, H, W) or (C, L), "
+        f"got rank {len(feature_shape)}"
+    )
+
+
+_BUILTIN: dict[str, _Builder] = {"mlp": _mlp, "cnn": _cnn}
+
+
+def _init_weights(model: nn.Sequential) -> None:
+    """He init for layers feeding a ReLU, Xavier for the rest (the logits), zero biases."""
+    layers = list(model)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            continue
+        if i + 1 < len(layers) and isinstance(layers[i + 1], nn.ReLU):
+            nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+        else:
+            nn.init.xavier_uniform_(layer.weight)
+        if layer.bias is not None:
+            nn.init.zeros_(layer.bias)
+
+
+def _from_factory(spec: str, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    module_name, _, factory_name = spec.partition(":")
+    if not module_name or not factory_name:
+        raise ModelError(f"model spec {spec!r}: expected MODULE:FACTORY with both parts")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(f"model spec {spec!r}: cannot import {module_name!r}: {exc}") from exc
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ModelError(f"model spec {spec!r}: {module_name} has no callable {factory_name!r}")
+    model = factory(feature_shape=feature_shape, num_classes=num_classes)
+    if not isinstance(model, nn.Module):
+        raise ModelError(
+            f"model spec {spec!r}: factory returned {type(model).__name__}, not torch.nn.Module"
+        )
+    return model
+
+
+def build_model(
+    spec: str, feature_shape: tuple[int, ...], num_classes: int, seed: int
+) -> nn.Module:
+    """Build the model named by `spec`, initialised deterministically from `seed`.
+
+    Parameters
+    ----------
+    spec : str
+        ``"mlp"``, ``"cnn"`` or ``"MODULE:FACTORY"``.
+    feature_shape : tuple of int
+        Shape of one example, without the batch dimension: ``(1, 8, 8)`` for digits,
+        ``(1, 40)`` for MNIST-1D.
+    num_classes : int
+        Number of output logits.
+    seed : int
+        Same seed, bitwise-identical parameters. Built under `torch.random.fork_rng`,
+        so the caller's global RNG state is left as it was.
+
+    Returns
+    -------
+    torch.nn.Module
+        Built-in models use He-normal init before each ReLU, Xavier-uniform on the
+        output layer and zero biases; factory models keep their own init.
+
+    Raises
+    ------
+    ModelError
+        Unknown spec, a feature shape the model cannot take, or a factory that
+        cannot be imported or does not return a module.
+    """
+    shape = tuple(int(d) for d in feature_shape)
+    if not shape or min(shape) < 1:
+        raise ModelError(f"feature_shape={feature_shape}: need at least one dimension, all >= 1")
+    if num_classes < 1:
+        raise ModelError(f"num_classes={num_classes} must be >= 1")
+    builder = _BUILTIN.get(spec)
+    if builder is None and ":" not in spec:
+        raise ModelError(f"model spec {spec!r} is unknown; expected one of {', '.join(SPECS)}")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if builder is None:
+            return _from_factory(spec, shape, num_classes)
+        model = builder(shape, num_classes)
+        _init_weights(model)
+    return model
+
+
+def param_count(model: nn.Module) -> int:
+    """Number of scalar parameters: the length of the flat vector."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """Return a new float32 1-D copy of all parameters, in `model.parameters()` order."""
+    parts = [p.detach().reshape(-1).to(torch.float32) for p in model.parameters()]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+
+
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    """Return a new float32 1-D copy of all gradients, in `model.parameters()` order.
+
+    A parameter whose ``.grad`` is None (unused this step) contributes zeros.
+    """
+    parts = [
+        torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        if p.grad is None
+        else p.grad.detach().reshape(-1).to(torch.float32)
+        for p in model.parameters()
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+
+
+def _chunks(model: nn.Module, flat: torch.Tensor, what: str) -> list[torch.Tensor]:
+    """Split `flat` into one view per parameter, checking its rank and length."""
+    if flat.dim() != 1:
+        raise ValueError(f"flat {what} must be 1-D, got shape {tuple(flat.shape)}")
+    expected = param_count(model)
+    if flat.numel() != expected:
+        raise ValueError(f"flat {what} has length {flat.numel()}, model has {expected} parameters")
+    sizes = [p.numel() for p in model.parameters()]
+    return list(torch.split(flat, sizes)) if sizes else []
+
+
+def set_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
+    """Copy `flat` (layout of `flat_params`) into the parameters, in place.
+
+    Raises
+    ------
+    ValueError
+        If `flat` is not 1-D or its length differs from `param_count(model)`.
+    """
+    chunks = _chunks(model, flat, "params")
+    with torch.no_grad():
+        for p, chunk in zip(model.parameters(), chunks, strict=True):
+            p.copy_(chunk.reshape(p.shape))
+
+
+def set_flat_grads(model: nn.Module, flat: torch.Tensor) -> None:
+    """Copy `flat` (layout of `flat_grads`) into each parameter's ``.grad``.
+
+    The gradients are copies: later changes to `flat` do not reach the model.
+
+    Raises
+    ------
+    ValueError
+        If `flat` is not 1-D or its length differs from `param_count(model)`.
+    """
+    chunks = _chunks(model, flat, "grads")
+    for p, chunk in zip(model.parameters(), chunks, strict=True):
+        if p.grad is None:
+            p.grad = torch.empty_like(p)
+        p.grad.copy_(chunk.reshape(p.shape))
+
+
+def params_sha256(model: nn.Module) -> str:
+    """Hex sha256 of `flat_params` as little-endian float32 bytes.
+
+    Equal digests mean bitwise-equal replicas; used to check agents start (and stay) in sync.
+    """
+    data = flat_params(model).cpu().numpy().astype("<f4", copy=False).tobytes()
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,159 @@
+"""The round loop of one agent: `sync`, `local` and `adaptive` modes.
+
+- ``sync``: every round, one local gradient, averaged over the ring (compressed),
+  then one momentum-SGD step with the scaled learning rate. All agents hold the
+  same parameters after every round (except with ``hybrid`` aggregation).
+- ``local``: H local steps, then the parameter *deltas* since the last sync are
+  averaged (compressed, with error feedback) and applied to the synced model.
+- ``adaptive``: like local, with the interval set from the loss trend as in
+  AdaComm (Wang & Joshi 2019): H_k = ceil(H_0 * sqrt(L_k / L_0)), long while the
+  loss is high, short near convergence; local steps carry a correction
+  ``mu * (params - global)`` that keeps them near the last global model (SEEDS D).
+
+Every `eval_every` rounds each agent evaluates on the same held-out set. With
+identical parameters that gives identical numbers everywhere, so the decisions
+taken from them (roll back on divergence, stop at the target, adapt H) are the
+same on every agent without any extra message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fedring.aggregation.rules import Aggregation, hybrid
+from fedring.config import JobSpec
+from fedring.training.exchange import Exchange
+from fedring.training.lr import LrSchedule
+from fedring.training.monitor import Monitor
+from fedring.training.trainer import LocalTrainer
+
+
+@dataclass
+class AgentContext:
+    spec: JobSpec
+    trainer: LocalTrainer
+    exchange: Exchange
+    x_eval: torch.Tensor
+    y_eval: torch.Tensor
+    weight: float  # this agent's share in the average (1/N, or its manifest weight)
+    on_round: Callable[[int, dict[str, Any]], None] | None = None
+
+
+@dataclass
+class AgentResult:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    rollbacks: int = 0
+    rounds_run: int = 0
+
+
+def schedule_for(spec: JobSpec) -> LrSchedule:
+    agg = Aggregation.parse(spec.aggregation)
+    return LrSchedule(
+        base_lr=spec.lr,
+        scaling=spec.lr_scaling,
+        n_agents=spec.agents,
+        batch_size=spec.batch_size,
+        ref_batch=spec.ref_batch,
+        warmup_steps=spec.warmup_steps,
+        # Goyal et al.'s rule is for averaged gradients of one large batch: sync mode.
+        averaged=agg.averaged and spec.sync == "sync",
+    )
+
+
+def run_agent(ctx: AgentContext) -> AgentResult:
+    spec, trainer, ex = ctx.spec, ctx.trainer, ctx.exchange
+    agg = Aggregation.parse(spec.aggregation)
+    sched = schedule_for(spec)
+    monitor = Monitor()
+    result = AgentResult()
+    interval = spec.local_steps
+    lr_factor = 1.0
+    if ex.applies_momentum:
+        trainer.momentum = 0.0
+    first_loss, _ = trainer.evaluate(ctx.x_eval, ctx.y_eval)
+    good = trainer.snapshot(ex.ef.residual if ex.ef else None)
+    for r in range(spec.rounds):
+        lr = sched.lr_at(r) * lr_factor
+        if spec.sync == "sync":
+            loss, gnorm = _sync_round(ctx, agg, r, lr)
+        else:
+            loss, gnorm = _local_round(ctx, agg, r, lr, interval)
+        row: dict[str, Any] = {
+            "round": r, "loss": loss, "grad_norm": gnorm, "lr": lr, "interval": interval,
+            "compression_error": ex.last_error, "residual_norm": ex.residual_norm,
+            "bytes_sent": ex.channel.endpoint.stats.bytes_sent,
+        }  # fmt: skip
+        result.rows.append(row)
+        result.rounds_run = r + 1
+        if (r + 1) % spec.eval_every == 0 or r + 1 == spec.rounds:
+            test_loss, acc = trainer.evaluate(ctx.x_eval, ctx.y_eval)
+            verdict = monitor.check(test_loss)
+            if verdict == "rollback":
+                trainer.restore(good, ex.ef.residual if ex.ef else None)
+                lr_factor *= 0.5
+                result.rollbacks += 1
+            else:
+                good = trainer.snapshot(ex.ef.residual if ex.ef else None)
+            if spec.sync == "adaptive" and math.isfinite(test_loss):
+                ratio = max(test_loss, 1e-12) / max(first_loss, 1e-12)
+                interval = max(1, math.ceil(spec.local_steps * math.sqrt(min(1.0, ratio))))
+            ev = {"round": r + 1, "test_loss": test_loss, "accuracy": acc, "verdict": verdict,
+                  "bytes_sent": row["bytes_sent"], "samples": trainer.samples_seen}  # fmt: skip
+            result.evals.append(ev)
+            row.update(ev)
+            if spec.target_accuracy and acc >= spec.target_accuracy and agg.kind != "hybrid":
+                _report(ctx, r, row)
+                break
+        _report(ctx, r, row)
+    return result
+
+
+def _report(ctx: AgentContext, r: int, row: dict[str, Any]) -> None:
+    if ctx.on_round is not None:
+        ctx.on_round(r, row)
+
+
+def _sync_round(ctx: AgentContext, agg: Aggregation, r: int, lr: float) -> tuple[float, float]:
+    trainer, ex = ctx.trainer, ctx.exchange
+    loss, g = trainer.gradient()
+    if agg.kind == "vote":
+        update = ex.vote(g, round=r)
+    elif agg.needs_star:
+        update = ex.star(g, round=r)
+    else:
+        update = ex.reduce(g, scale=ctx.weight, round=r)
+        if agg.kind == "hybrid":
+            update = hybrid(update, g, agg.lam(r, ctx.spec.rounds))
+    trainer.step(update, lr)
+    return loss, float(g.norm())
+
+
+def _local_round(
+    ctx: AgentContext, agg: Aggregation, r: int, lr: float, interval: int
+) -> tuple[float, float]:
+    trainer, ex = ctx.trainer, ctx.exchange
+    anchor = trainer.params
+    mu = ctx.spec.correction if ctx.spec.sync == "adaptive" else 0.0
+    trainer.velocity.zero_()  # each round's local steps start from the global model afresh
+    losses, gnorm = [], 0.0
+    for _ in range(interval):
+        loss, g = trainer.gradient(anchor, mu)
+        trainer.step(g, lr)
+        losses.append(loss)
+        gnorm = float(g.norm())
+    delta = trainer.params - anchor
+    if agg.needs_star:
+        agreed = ex.star(delta, round=r)
+    else:
+        agreed = ex.reduce(delta, scale=ctx.weight, round=r)
+        if agg.kind == "hybrid":
+            agreed = hybrid(agreed, delta, agg.lam(r, ctx.spec.rounds))
+    trainer.set_params(anchor + agreed)
+    trainer.velocity.zero_()
+    return sum(losses) / len(losses), gnorm
