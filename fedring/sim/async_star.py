@@ -1,0 +1,185 @@
+"""Asynchronous training through a star (SEEDS B): stale updates, weighted down.
+
+The aggregator holds the global model and its version. An agent pulls the model,
+runs H local steps, and pushes its compressed delta (with error feedback). The
+aggregator weights each delta by ``1 / (1 + staleness) ** power``, where
+staleness is how many versions were applied since that agent pulled, and applies
+them once `async_wait` have arrived (soft synchronisation: 1 is plain async, N is
+synchronous). The agent then pulls the new version and starts again.
+
+Time is simulated: an agent with speed factor 3 (``slow = "3:0"``) takes three
+times as long for its H steps, so the order of arrivals is exactly what a slow
+board would cause, and the run is deterministic. Every update and every model
+still travels as real frames through the in-process transport.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fedring.aggregation.rules import Aggregation, median, trimmed_mean
+from fedring.collective.channel import PeerChannel
+from fedring.compression.error_feedback import ErrorFeedback
+from fedring.compression.group_topk import GroupTopK
+from fedring.compression.payload import Payload, PayloadLimits
+from fedring.compression.quantize import DenseCodec
+from fedring.config import JobSpec, SpecError
+from fedring.counters import Counters
+from fedring.training.models import param_count, params_sha256
+from fedring.transport.base import Deadline
+from fedring.transport.inproc import InprocTransport
+
+CENTRE = "aggregator"
+
+
+def speeds(spec: JobSpec) -> list[float]:
+    """Per-agent time factors from ``slow = "F:RANK[,F:RANK...]"`` (default 1)."""
+    out = [1.0] * spec.agents
+    for item in filter(None, spec.slow.split(",")):
+        try:
+            factor, rank = item.split(":")
+            out[int(rank)] = float(factor)
+        except (ValueError, IndexError):
+            raise SpecError(
+                f"field 'slow'={spec.slow!r}: expected FACTOR:RANK with RANK < agents"
+            ) from None
+    return out
+
+
+def simulate_async(
+    spec: JobSpec, p: Any, on_round: Callable[[int, dict[str, Any]], None] | None
+) -> dict[str, Any]:
+    from fedring.sim.runner import JOB_KEY, prepare_agent
+
+    start = time.perf_counter()
+    trainers = [prepare_agent(p, r) for r in range(spec.agents)]
+    hub, counters = InprocTransport(), Counters()
+    centre = PeerChannel(hub.connect(CENTRE), "sim", key=JOB_KEY, counters=counters)
+    agents = [
+        PeerChannel(hub.connect(f"agent-{i}"), "sim", key=JOB_KEY, counters=counters)
+        for i in range(spec.agents)
+    ]
+    numel = param_count(trainers[0].model)
+    limits = PayloadLimits(max_numel=numel)
+    compressed = spec.compression == "group-topk"
+    topk = GroupTopK(spec.group_size, spec.k, spec.value_dtype) if compressed else None  # type: ignore[arg-type]
+    efs = [ErrorFeedback(numel) if compressed and spec.error_feedback else None for _ in trainers]
+    agg = Aggregation.parse(spec.aggregation)
+    model = trainers[0].params
+    version, pulled = 0, [0] * spec.agents
+    pace = speeds(spec)
+    events = [(spec.local_steps * pace[r], r) for r in range(spec.agents)]
+    heapq.heapify(events)
+    buffer: list[tuple[torch.Tensor, float]] = []
+    evals: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    now = 0.0
+
+    def push(rank: int, delta: torch.Tensor) -> Payload:
+        ef = efs[rank]
+        if topk is None:
+            return DenseCodec("fp32").compress(delta)
+        g = ef.compensate(delta) if ef is not None else delta
+        sent = topk.compress(g)
+        if ef is not None:
+            ef.update(sent)
+        return sent
+
+    while version < spec.rounds:
+        now, rank = heapq.heappop(events)
+        trainer = trainers[rank]
+        anchor = trainer.params
+        trainer.velocity.zero_()
+        losses = []
+        for _ in range(spec.local_steps):
+            loss, g = trainer.gradient()
+            trainer.step(g, spec.lr)
+            losses.append(loss)
+        deadline = Deadline.after(spec.timeout_s)
+        agents[rank].send(
+            CENTRE,
+            push(rank, trainer.params - anchor),
+            round=version,
+            step=rank,
+            phase="up",
+            deadline=deadline,
+        )
+        delta = centre.recv(
+            f"agent-{rank}", round=version, step=rank, phase="up", deadline=deadline, limits=limits
+        )
+        staleness = version - pulled[rank]
+        buffer.append((delta.decompress(), 1.0 / (1.0 + staleness) ** spec.staleness_power))
+        if len(buffer) >= spec.async_wait:
+            stacked = torch.stack([d * w for d, w in buffer])
+            if agg.kind == "median":
+                update = median(stacked)
+            elif agg.kind == "trimmed":
+                update = trimmed_mean(stacked, agg.beta)
+            else:
+                update = stacked.mean(dim=0)
+            model = model + update
+            version += 1
+            buffer.clear()
+            rows.append(
+                {
+                    "round": version,
+                    "loss": sum(losses) / len(losses),
+                    "staleness": staleness,
+                    "sim_time": now,
+                    "bytes_sent": agents[rank].endpoint.stats.bytes_sent,
+                }
+            )
+            if version % spec.eval_every == 0 or version == spec.rounds:
+                trainers[0].set_params(
+                    model
+                )  # agent 0's model is refreshed on its next pull anyway
+                test_loss, acc = trainers[0].evaluate(p.dataset.x_test, p.dataset.y_test)
+                evals.append(
+                    {"round": version, "test_loss": test_loss, "accuracy": acc, "sim_time": now}
+                )
+                rows[-1].update(evals[-1])
+            if on_round is not None:
+                on_round(version - 1, rows[-1])
+        # the agent pulls the current model (a real frame) and starts its next H steps
+        centre.send(
+            f"agent-{rank}",
+            DenseCodec("fp32").compress(model),
+            round=version,
+            step=rank,
+            phase="down",
+            deadline=deadline,
+        )
+        fresh = agents[rank].recv(
+            CENTRE, round=version, step=rank, phase="down", deadline=deadline, limits=limits
+        )
+        trainer.set_params(fresh.decompress())
+        pulled[rank] = version
+        heapq.heappush(events, (now + spec.local_steps * pace[rank], rank))
+    for ch in agents:
+        ch.endpoint.close()
+    sent = [ch.endpoint.stats.bytes_sent for ch in agents]
+    trainers[0].set_params(model)
+    return {
+        "final_accuracy": evals[-1]["accuracy"] if evals else 0.0,
+        "rounds": version,
+        "bytes_sent_per_agent": sum(sent) / len(sent),
+        "bytes_received_per_agent": sum(ch.endpoint.stats.bytes_received for ch in agents)
+        / len(agents),
+        "dense_equivalent_bytes": float(numel * 4 * version * spec.async_wait / spec.agents),
+        "wall_seconds": time.perf_counter() - start,
+        "sim_seconds_units": now,
+        "params": numel,
+        "model_hashes": [params_sha256(trainers[0].model)],
+        "identical_models": True,
+        "rollbacks": 0,
+        "evals": evals,
+        "rows": rows,
+        "manifest": p.manifest.to_dict(),
+        "model_sha256_initial": p.model_sha256,
+        "counters": counters.snapshot(),
+    }
