@@ -171,7 +171,7 @@ def simulate_cmd(
     slow: str | None = typer.Option(
         None, help="async: speed factors, e.g. 3:0 (agent 0 is 3x slower)."
     ),
-    rounds: int | None = typer.Option(None, help="Communication rounds. [300]"),
+    rounds: int | None = typer.Option(None, help="Communication rounds. [600]"),
     batch_size: int | None = typer.Option(None, help="Per-agent batch size. [32]"),
     lr: float | None = typer.Option(None, help="Base learning rate for one node. [0.05]"),
     lr_scaling: str | None = typer.Option(None, help="linear | sqrt | none. [linear]"),

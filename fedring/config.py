@@ -43,6 +43,7 @@ class JobSpec:
     group_size: int = 256  # G; <= 256 gives uint8 indices
     value_dtype: str = "fp16"  # wire dtype of kept values
     error_feedback: bool = True  # off only to measure its effect
+    density_warmup: int = 10  # rounds per DGC warm-up stage (25%, 6.25%, 1.56%, 0.4%); 0 = off
     policy: str = "bounded"  # sparse ring policy: bounded | exact
     topology: str = "ring"  # ring | star (star allows median / trimmed)
     sync: str = "sync"  # sync | local | adaptive | async
@@ -53,7 +54,7 @@ class JobSpec:
     staleness_power: float = 0.5  # async weight 1 / (1 + staleness) ** power
     slow: str = ""  # agent speed factors, e.g. "3:0" makes agent 0 three times slower
     correction: float = 0.1  # adaptive: pull toward the global model during local steps
-    rounds: int = 300  # communication rounds
+    rounds: int = 600  # communication rounds
     batch_size: int = 32  # per agent
     lr: float = 0.05  # base learning rate, tuned for ref_batch on one node
     ref_batch: int = 32  # batch size that lr was tuned for
@@ -85,6 +86,7 @@ class JobSpec:
         ):
             _check_int(self, name, 1, 10**9)
         _check_int(self, "warmup_steps", 0, 10**9)
+        _check_int(self, "density_warmup", 0, 10**9)
         _check_float(self, "lr", 1e-9, 100.0)
         _check_float(self, "momentum", 0.0, 0.999)
         _check_float(self, "weight_cap", 1.0, 1e9)

@@ -19,9 +19,10 @@ from fedring.collective.channel import PeerChannel
 from fedring.collective.ring import Ring
 from fedring.collective.vote import majority_vote
 from fedring.compression.error_feedback import ErrorFeedback
-from fedring.compression.group_topk import GroupTopK
+from fedring.compression.group_topk import GroupTopK, k_for
 from fedring.compression.payload import Payload, PayloadLimits
 from fedring.compression.quantize import DenseCodec, SignQuantizer
+from fedring.compression.schedule import DensitySchedule
 from fedring.config import JobSpec
 from fedring.transport.base import Deadline
 
@@ -35,6 +36,7 @@ class Exchange:
     numel: int
     ef: ErrorFeedback | None = None
     topk: GroupTopK | None = None
+    schedule: DensitySchedule | None = None  # DGC density warm-up
     last_error: float = 0.0  # ||g - sent|| / ||g|| of the last compression
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -53,7 +55,11 @@ class Exchange:
             else 0.0
         )
         ef = ErrorFeedback(numel, momentum=momentum) if feedback else None
-        return cls(ring, spec, numel, ef, topk)
+        warmup = spec.density_warmup and compressed
+        schedule = (
+            DensitySchedule(spec.density, steps_per_stage=spec.density_warmup) if warmup else None
+        )
+        return cls(ring, spec, numel, ef, topk, schedule)
 
     @property
     def applies_momentum(self) -> bool:
@@ -64,11 +70,12 @@ class Exchange:
     def channel(self) -> PeerChannel:
         return self.ring.channel
 
-    def _compress(self, vec: torch.Tensor) -> Payload:
+    def _compress(self, vec: torch.Tensor, round: int = 0) -> Payload:
         if self.topk is None:
             return DenseCodec("fp32").compress(vec)
         g = self.ef.compensate(vec) if self.ef is not None else vec
-        sent = self.topk.compress(g)
+        k = k_for(self.schedule.density(round), self.topk.group_size) if self.schedule else None
+        sent = self.topk.compress(g, k=k)
         dense = sent.decompress()
         norm = float(g.norm())
         self.last_error = float((g - dense).norm()) / norm if norm > 0 else 0.0
@@ -81,7 +88,7 @@ class Exchange:
         scaled = vec * scale
         if self.topk is None:
             return self.ring.allreduce_dense(scaled, round=round)
-        sent = self._compress(scaled)
+        sent = self._compress(scaled, round)
         total, kept = self.ring.allreduce_sparse(sent, policy=self.spec.policy, round=round)  # type: ignore[arg-type]
         if self.ef is not None:
             self.ef.keep(kept)
@@ -98,7 +105,7 @@ class Exchange:
         """Send the compressed update to the aggregator; return what it decides."""
         deadline = Deadline.after(self.spec.timeout_s)
         self.channel.send(
-            STAR, self._compress(vec), round=round, step=0, phase="up", deadline=deadline
+            STAR, self._compress(vec, round), round=round, step=0, phase="up", deadline=deadline
         )
         result = self.channel.recv(
             STAR, round=round, step=0, phase="down", deadline=deadline,

