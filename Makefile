@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/fedring bench ring --agents 8 --numel 1000000 --density 0.01
+	$(BIN)/fedring simulate --agents 4 --dataset digits --compression group-topk --density 0.01
 
 lint: setup
 	$(BIN)/ruff check fedring tests bench examples
@@ -28,7 +28,7 @@ test: lint
 
 bench: setup
 	$(BIN)/fedring bench compress --numel 10000000 --density 0.01
-	$(BIN)/fedring bench ring --agents 8 --numel 1000000 --density 0.01
+	$(BIN)/fedring simulate --agents 4 --dataset digits --compression group-topk --density 0.01
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
