@@ -100,6 +100,10 @@ class JobSpec:
             agg = Aggregation.parse(self.aggregation)
         except ValueError as exc:
             raise SpecError(f"field 'aggregation': {exc}") from None
+        if agg.kind == "vote" and self.sync != "sync":
+            raise SpecError(
+                f"field 'aggregation'='vote' is signSGD: it needs sync='sync', not {self.sync!r}"
+            )
         if agg.needs_star and self.topology != "star" and self.sync != "async":
             raise SpecError(
                 f"field 'aggregation'={self.aggregation!r} needs every update in one place: "

@@ -119,25 +119,30 @@ def _report(ctx: AgentContext, r: int, row: dict[str, Any]) -> None:
         ctx.on_round(r, row)
 
 
-def _sync_round(ctx: AgentContext, agg: Aggregation, r: int, lr: float) -> tuple[float, float]:
-    trainer, ex = ctx.trainer, ctx.exchange
-    loss, g = trainer.gradient()
+def _agree(ctx: AgentContext, agg: Aggregation, vec: torch.Tensor, r: int) -> torch.Tensor:
+    """This agent's `vec` combined with the others' by the job's aggregation rule."""
+    ex = ctx.exchange
     if agg.kind == "vote":
-        update = ex.vote(g, round=r)
-    elif agg.needs_star:
-        update = ex.star(g, round=r)
-    else:
-        update = ex.reduce(g, scale=ctx.weight, round=r)
-        if agg.kind == "hybrid":
-            update = hybrid(update, g, agg.lam(r, ctx.spec.rounds))
-    trainer.step(update, lr)
+        return ex.vote(vec, round=r)
+    if agg.needs_star:
+        return ex.star(vec, round=r)
+    agreed = ex.reduce(vec, scale=ctx.weight, round=r)
+    if agg.kind == "hybrid":
+        agreed = hybrid(agreed, vec, agg.lam(r, ctx.spec.rounds))
+    return agreed
+
+
+def _sync_round(ctx: AgentContext, agg: Aggregation, r: int, lr: float) -> tuple[float, float]:
+    trainer = ctx.trainer
+    loss, g = trainer.gradient()
+    trainer.step(_agree(ctx, agg, g, r), lr)
     return loss, float(g.norm())
 
 
 def _local_round(
     ctx: AgentContext, agg: Aggregation, r: int, lr: float, interval: int
 ) -> tuple[float, float]:
-    trainer, ex = ctx.trainer, ctx.exchange
+    trainer = ctx.trainer
     anchor = trainer.params
     mu = ctx.spec.correction if ctx.spec.sync == "adaptive" else 0.0
     trainer.velocity.zero_()  # each round's local steps start from the global model afresh
@@ -148,12 +153,6 @@ def _local_round(
         losses.append(loss)
         gnorm = float(g.norm())
     delta = trainer.params - anchor
-    if agg.needs_star:
-        agreed = ex.star(delta, round=r)
-    else:
-        agreed = ex.reduce(delta, scale=ctx.weight, round=r)
-        if agg.kind == "hybrid":
-            agreed = hybrid(agreed, delta, agg.lam(r, ctx.spec.rounds))
-    trainer.set_params(anchor + agreed)
+    trainer.set_params(anchor + _agree(ctx, agg, delta, r))
     trainer.velocity.zero_()
     return sum(losses) / len(losses), gnorm

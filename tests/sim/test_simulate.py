@@ -136,3 +136,8 @@ def test_toml_job_with_an_unknown_key_is_refused(tmp_path) -> None:  # type: ign
 
 def test_runner_module_exposes_the_coordinator_steps() -> None:
     assert callable(runner.plan) and callable(runner.prepare_agent)
+
+
+def test_vote_is_refused_outside_sync_mode() -> None:
+    with pytest.raises(SpecError, match="'vote' is signSGD"):
+        JobSpec(aggregation="vote", sync="local")
