@@ -32,6 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rounds", type=int, default=600)
+    parser.add_argument("--lr", type=float, default=JobSpec().lr, help="base LR for every run")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -40,7 +41,9 @@ def main() -> None:
         accs, sent = [], []
         start = time.perf_counter()
         for seed in seeds:
-            spec = JobSpec(agents=4, dataset="digits", rounds=args.rounds, seed=seed, **changes)
+            spec = JobSpec(
+                agents=4, dataset="digits", rounds=args.rounds, seed=seed, lr=args.lr, **changes
+            )
             s = simulate(spec)
             accs.append(s["final_accuracy"])
             sent.append(s["bytes_sent_per_agent"])
@@ -56,9 +59,10 @@ def main() -> None:
         row["pp_vs_dense"] = 100 * (row["accuracy_mean"] - dense["accuracy_mean"])
         row["bytes_ratio_vs_dense"] = dense["bytes_per_agent"] / row["bytes_per_agent"]
     if args.json:
-        print(json.dumps({"seeds": seeds, "rounds": args.rounds, "results": table}, sort_keys=True))
+        out = {"seeds": seeds, "rounds": args.rounds, "lr": args.lr, "results": table}
+        print(json.dumps(out, sort_keys=True))
         return
-    print(f"digits, MLP, 4 agents iid, {args.rounds} rounds, seeds {seeds}")
+    print(f"digits, MLP, 4 agents iid, {args.rounds} rounds, base lr {args.lr}, seeds {seeds}")
     head = ("", "accuracy mean [min, max]", "pp vs dense", "bytes/agent", "x fewer")
     print(f"{head[0]:24} {head[1]:>28} {head[2]:>12} {head[3]:>13} {head[4]:>8}")
     for name, r in table.items():

@@ -173,7 +173,7 @@ def simulate_cmd(
     ),
     rounds: int | None = typer.Option(None, help="Communication rounds. [600]"),
     batch_size: int | None = typer.Option(None, help="Per-agent batch size. [32]"),
-    lr: float | None = typer.Option(None, help="Base learning rate for one node. [0.05]"),
+    lr: float | None = typer.Option(None, help="Base learning rate for one node. [0.025]"),
     lr_scaling: str | None = typer.Option(None, help="linear | sqrt | none. [linear]"),
     warmup_steps: int | None = typer.Option(None, help="Gradual warm-up steps. [50]"),
     eval_every: int | None = typer.Option(None, help="Rounds between evaluations. [10]"),

@@ -56,7 +56,7 @@ class JobSpec:
     correction: float = 0.1  # adaptive: pull toward the global model during local steps
     rounds: int = 600  # communication rounds
     batch_size: int = 32  # per agent
-    lr: float = 0.05  # base learning rate, tuned for ref_batch on one node
+    lr: float = 0.025  # base learning rate for one node at ref_batch (x N with linear scaling)
     ref_batch: int = 32  # batch size that lr was tuned for
     lr_scaling: str = "linear"  # linear | sqrt | none (only when updates are averaged)
     warmup_steps: int = 50  # gradual warm-up to the scaled lr (Goyal et al. 2017)
