@@ -8,6 +8,7 @@ runs `training.sync.run_agent` (or the async star in `sim.async_star`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -96,7 +97,8 @@ def simulate(
     p = plan(spec)
     trainers = [prepare_agent(p, r) for r in range(spec.agents)]
     torch.set_num_threads(1)  # N agent threads on a small machine: no intra-op oversubscription
-    hub, counters = InprocTransport(), Counters()
+    hub, counters = InprocTransport(cooperative=True), Counters()
+    baton = hub.baton
     names = tuple(f"agent-{i}" for i in range(spec.agents))
     channels = [PeerChannel(hub.connect(n), "sim", key=JOB_KEY, counters=counters) for n in names]
     numel = param_count(trainers[0].model)
@@ -108,7 +110,8 @@ def simulate(
                            p.dataset.x_test, p.dataset.y_test, p.weights[rank],
                            on_round if rank == 0 else None)  # fmt: skip
         try:
-            return run_agent(ctx)
+            with baton.turn() if baton else contextlib.nullcontext():
+                return run_agent(ctx)
         except BaseException:
             channels[rank].endpoint.close()  # neighbours fail fast instead of waiting
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -129,3 +130,39 @@ def test_a_full_inbox_still_learns_that_a_peer_died_after_its_frames() -> None:
         Delivery("y", b"last words"),
         MembershipEvent("lost", "y"),
     ]
+
+
+@pytest.mark.parametrize("cooperative", [True, False])
+def test_cooperative_hub_runs_one_participant_at_a_time(cooperative: bool) -> None:
+    hub = InprocTransport(cooperative=cooperative)
+    a, b = hub.connect("a"), hub.connect("b")
+    running, overlap = [0], [False]
+    got: list[bytes] = []
+
+    def work(action) -> None:  # type: ignore[no-untyped-def]
+        running[0] += 1  # between waits, no other participant may be running
+        time.sleep(0.001)  # releases the GIL, not the baton: the other thread could run now
+        overlap[0] |= running[0] > 1
+        action()
+        running[0] -= 1
+
+    def participant(me, other: str) -> None:  # type: ignore[no-untyped-def]
+        with hub.baton.turn() if hub.baton else contextlib.nullcontext():
+            for i in range(50):  # ring-style steps: both send, then both receive
+                work(lambda i=i: me.send(other, bytes([i]), Deadline.after(5)))
+                item = me.recv(Deadline.after(5))
+                while not isinstance(item, Delivery):
+                    item = me.recv(Deadline.after(5))
+                got.append(item.data)
+
+    threads = [threading.Thread(target=participant, args=(a, "b")),
+               threading.Thread(target=participant, args=(b, "a"))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(got) == 100
+    assert overlap[0] is not cooperative  # without the baton the work does overlap
+    outsider = hub.connect("c")  # a thread outside turn() is not held up by the baton
+    with pytest.raises(TransportTimeout):
+        outsider.recv(Deadline.after(0.05))
