@@ -26,10 +26,11 @@ from fedring.aggregation.rules import Aggregation, median, trimmed_mean
 from fedring.collective.channel import PeerChannel
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
-from fedring.compression.payload import Payload, PayloadLimits
+from fedring.compression.payload import PayloadLimits
 from fedring.compression.quantize import DenseCodec
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
+from fedring.training.exchange import compress_update
 from fedring.training.models import param_count, params_sha256
 from fedring.transport.base import Deadline
 from fedring.transport.inproc import InprocTransport
@@ -80,16 +81,6 @@ def simulate_async(
     rows: list[dict[str, Any]] = []
     now = 0.0
 
-    def push(rank: int, delta: torch.Tensor) -> Payload:
-        ef = efs[rank]
-        if topk is None:
-            return DenseCodec("fp32").compress(delta)
-        g = ef.compensate(delta) if ef is not None else delta
-        sent = topk.compress(g)
-        if ef is not None:
-            ef.update(sent)
-        return sent
-
     while version < spec.rounds:
         now, rank = heapq.heappop(events)
         trainer = trainers[rank]
@@ -103,7 +94,7 @@ def simulate_async(
         deadline = Deadline.after(spec.timeout_s)
         agents[rank].send(
             CENTRE,
-            push(rank, trainer.params - anchor),
+            compress_update(trainer.params - anchor, topk, efs[rank])[0],
             round=version,
             step=rank,
             phase="up",

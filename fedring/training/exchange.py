@@ -11,7 +11,7 @@ waits for the result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +29,25 @@ from fedring.transport.base import Deadline
 STAR = "aggregator"  # endpoint name of the star's centre
 
 
+def compress_update(
+    vec: torch.Tensor, topk: GroupTopK | None, ef: ErrorFeedback | None, k: int | None = None
+) -> tuple[Payload, float]:
+    """Error feedback, then group-top-k (dense fp32 without `topk`).
+
+    Returns the payload and the compression error ``||g - sent|| / ||g||``, where g
+    is `vec` plus the residual; the residual keeps whatever was not sent.
+    """
+    if topk is None:
+        return DenseCodec("fp32").compress(vec), 0.0
+    g = ef.compensate(vec) if ef is not None else vec
+    sent = topk.compress(g, k=k)
+    norm = float(g.norm())
+    error = float((g - sent.decompress()).norm()) / norm if norm > 0 else 0.0
+    if ef is not None:
+        ef.update(sent)
+    return sent, error
+
+
 @dataclass
 class Exchange:
     ring: Ring
@@ -38,7 +57,6 @@ class Exchange:
     topk: GroupTopK | None = None
     schedule: DensitySchedule | None = None  # DGC density warm-up
     last_error: float = 0.0  # ||g - sent|| / ||g|| of the last compression
-    extra: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def build(cls, ring: Ring, spec: JobSpec, numel: int) -> Exchange:
@@ -71,16 +89,10 @@ class Exchange:
         return self.ring.channel
 
     def _compress(self, vec: torch.Tensor, round: int = 0) -> Payload:
-        if self.topk is None:
-            return DenseCodec("fp32").compress(vec)
-        g = self.ef.compensate(vec) if self.ef is not None else vec
-        k = k_for(self.schedule.density(round), self.topk.group_size) if self.schedule else None
-        sent = self.topk.compress(g, k=k)
-        dense = sent.decompress()
-        norm = float(g.norm())
-        self.last_error = float((g - dense).norm()) / norm if norm > 0 else 0.0
-        if self.ef is not None:
-            self.ef.update(sent)
+        k = None
+        if self.topk is not None and self.schedule is not None:
+            k = k_for(self.schedule.density(round), self.topk.group_size)
+        sent, self.last_error = compress_update(vec, self.topk, self.ef, k)
         return sent
 
     def reduce(self, vec: torch.Tensor, *, scale: float, round: int) -> torch.Tensor:

@@ -10,7 +10,6 @@ from typer.testing import CliRunner
 
 from fedring.cli import app
 from fedring.config import JobSpec, SpecError
-from fedring.sim import runner
 from fedring.sim.runner import ModelMismatch, plan, prepare_agent, simulate
 from fedring.training.sharding import ShardError
 
@@ -79,7 +78,9 @@ def test_divergence_rolls_back_and_halves_the_rate() -> None:
         JobSpec(agents=2, rounds=40, eval_every=5, lr=50.0, compression="none", warmup_steps=0)
     )
     assert s["rollbacks"] >= 1
-    assert all(torch.isfinite(torch.tensor(r["loss"])) or True for r in s["rows"])
+    # after a rollback the run recovers: the last evaluation is finite and accepted
+    last = s["evals"][-1]
+    assert last["verdict"] == "ok" and torch.isfinite(torch.tensor(last["test_loss"]))
 
 
 def test_cli_json_out_and_config_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -132,10 +133,6 @@ def test_toml_job_with_an_unknown_key_is_refused(tmp_path) -> None:  # type: ign
     job.write_text("[job]\nagents = 2\nlearning_rate = 0.1\n")
     result = CliRunner().invoke(app, ["simulate", "--config", str(job)])
     assert result.exit_code == 2 and "unknown field 'learning_rate'" in result.output
-
-
-def test_runner_module_exposes_the_coordinator_steps() -> None:
-    assert callable(runner.plan) and callable(runner.prepare_agent)
 
 
 def test_vote_is_refused_outside_sync_mode() -> None:
