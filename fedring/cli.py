@@ -158,7 +158,9 @@ def simulate_cmd(
     ),
     policy: str | None = typer.Option(None, help="Sparse ring policy: bounded | exact. [bounded]"),
     topology: str | None = typer.Option(
-        None, help="ring | star (star allows median/trimmed). [ring]"
+        None,
+        help="auto | ring | torus (2-D ring: same bytes, fewer steps) | star (allows "
+        "median/trimmed). auto = torus from 9 agents when N = R x C with R >= 3. [auto]",
     ),
     sync: str | None = typer.Option(None, help="sync | local | adaptive | async. [sync]"),
     local_steps: int | None = typer.Option(
@@ -176,6 +178,11 @@ def simulate_cmd(
     lr: float | None = typer.Option(None, help="Base learning rate for one node. [0.025]"),
     lr_scaling: str | None = typer.Option(None, help="linear | sqrt | none. [linear]"),
     warmup_steps: int | None = typer.Option(None, help="Gradual warm-up steps. [50]"),
+    momentum: float | None = typer.Option(
+        None,
+        help="SGD momentum; with group-top-k in sync mode it runs inside error feedback "
+        "(DGC momentum correction). 0 is steadier for many non-iid agents. [0.9]",
+    ),
     eval_every: int | None = typer.Option(None, help="Rounds between evaluations. [10]"),
     target_accuracy: float | None = typer.Option(None, help="Stop once reached (0 = never). [0]"),
     seed: int | None = typer.Option(None, help="Seed of split, shards, init and batches. [0]"),
@@ -231,6 +238,7 @@ def _simulate_table(spec: Any, r: dict[str, Any]) -> Table:
     table.add_column("value", justify="right")
     table.add_row("final accuracy", f"{r['final_accuracy']:.4f}")
     table.add_row("rounds", str(r["rounds"]))
+    table.add_row("layout", str(r.get("layout", "")))
     table.add_row("bytes sent per agent", f"{r['bytes_sent_per_agent']:,.0f}")
     table.add_row("dense fp32 ring would send", f"{r['dense_equivalent_bytes']:,.0f}")
     table.add_row("identical models", str(r["identical_models"]))

@@ -23,7 +23,7 @@ from fedring.aggregation.rules import Aggregation
 SYNC_MODES = ("sync", "local", "adaptive", "async")
 COMPRESSIONS = ("none", "group-topk")
 POLICIES = ("bounded", "exact")
-TOPOLOGIES = ("ring", "star")
+TOPOLOGIES = ("auto", "ring", "torus", "star")
 LR_SCALINGS = ("linear", "sqrt", "none")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 
@@ -45,7 +45,7 @@ class JobSpec:
     error_feedback: bool = True  # off only to measure its effect
     density_warmup: int = 10  # rounds per DGC warm-up stage (25%, 6.25%, 1.56%, 0.4%); 0 = off
     policy: str = "bounded"  # sparse ring policy: bounded | exact
-    topology: str = "ring"  # ring | star (star allows median / trimmed)
+    topology: str = "auto"  # auto | ring | torus (2-D ring) | star (allows median / trimmed)
     sync: str = "sync"  # sync | local | adaptive | async
     local_steps: int = 4  # H: local steps between syncs (local, adaptive, async)
     aggregation: str = "mean"  # mean | weighted | vote | hybrid:L[-L2] | median | trimmed:B

@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.collective.ring import Ring
+from fedring.collective.torus import Torus
 from fedring.counters import Counters
 from fedring.transport.base import LinkStats
 from fedring.transport.inproc import InprocTransport
@@ -36,15 +37,19 @@ class LocalRun(Generic[T]):
 
 def run_local_ring(
     world: int,
-    fn: Callable[[Ring], T],
+    fn: Callable[[Any], T],
     *,
     job: str = "local",
     key: bytes | None = None,
     limits: FrameLimits | None = None,
     timeout_s: float = 60.0,
     transport: InprocTransport | None = None,
+    grid_rows: int = 0,
 ) -> LocalRun[T]:
-    """Call ``fn(ring)`` for every member concurrently; re-raise the first failure."""
+    """Call ``fn(ring)`` for every member concurrently; re-raise the first failure.
+
+    With `grid_rows` R > 0, each member gets an R x N/R `Torus` instead of a `Ring`.
+    """
     if world < 1:
         raise ValueError(f"world={world} must be >= 1")
     hub = transport or InprocTransport()
@@ -53,9 +58,12 @@ def run_local_ring(
     channels = [
         PeerChannel(hub.connect(n), job, key=key, limits=limits, counters=counters) for n in names
     ]
-    rings = [Ring(ch, names, timeout_s=timeout_s) for ch in channels]
+    rings: list[Ring | Torus] = [
+        Torus(ch, names, timeout_s, rows=grid_rows) if grid_rows else Ring(ch, names, timeout_s)
+        for ch in channels
+    ]
 
-    def member(ring: Ring) -> T:
+    def member(ring: Ring | Torus) -> T:
         try:
             return fn(ring)
         except BaseException:

@@ -54,6 +54,39 @@ def chunk_bounds(units: int, world: int) -> list[tuple[int, int]]:
     return [(i * units // world, (i + 1) * units // world) for i in range(world)]
 
 
+class SparseReduction:
+    """One member's accumulator for a sparse all-reduce, shared by `Ring` and `Torus`.
+
+    `chunk(span)` makes the payload this member sends for a span of groups:
+    ``bounded`` re-selects the top-k per group and adds what it leaves to `kept`
+    (exactly, so nothing is lost); ``exact`` sends the union of supports.
+    """
+
+    def __init__(self, sparse: SparseGroups, policy: SparsePolicy) -> None:
+        if policy not in ("exact", "bounded"):
+            raise ValueError(f"policy {policy!r} is not 'exact' or 'bounded'")
+        self.policy = policy
+        self.group_size = sparse.group_size
+        self.acc = sparse.decompress()
+        self.kept = torch.zeros_like(self.acc)
+        self.topk = GroupTopK(sparse.group_size, sparse.k, sparse.value_dtype)
+        self.expect: type = SparseGroups if policy == "bounded" else GroupSparse
+
+    def chunk(self, span: tuple[int, int], source: torch.Tensor | None = None) -> Payload:
+        """The payload for groups ``span`` of `source` (default: the accumulator)."""
+        src = self.acc if source is None else source
+        if self.policy == "exact":
+            return GroupSparse.from_dense(src, self.group_size, span)
+        sent = self.topk.compress(src, groups=span)
+        a, b = span[0] * self.group_size, min(span[1] * self.group_size, src.numel())
+        self.kept[a:b].add_(src[a:b])
+        sent.add_to(self.kept, alpha=-1.0)  # exact: kept == accumulated - sent
+        return sent
+
+    def absorb(self, _: int, payload: Payload) -> None:
+        payload.add_to(self.acc)
+
+
 @dataclass
 class Ring:
     """One member's view of a ring: its channel, the order, and a per-step timeout."""
@@ -71,6 +104,11 @@ class Ring:
         self.world = len(self.members)
         self.right = self.members[(self.rank + 1) % self.world]
         self.left = self.members[(self.rank - 1) % self.world]
+
+    @property
+    def flat(self) -> Ring:
+        """The ring itself (a `Torus` answers with its members as one flat ring)."""
+        return self
 
     def exchange(
         self,
@@ -182,44 +220,28 @@ class Ring:
         `kept` is zero for ``exact``; for ``bounded`` it is what this member's
         re-selections dropped, to be added to its error-feedback residual.
         """
-        if policy not in ("exact", "bounded"):
-            raise ValueError(f"policy {policy!r} is not 'exact' or 'bounded'")
-        g = sparse.group_size
-        acc = sparse.decompress()
-        kept = torch.zeros_like(acc)
-        bounds = chunk_bounds(n_groups(sparse.numel, g), self.world)
-        topk = GroupTopK(g, sparse.k, sparse.value_dtype)
-
-        def reduce_chunk(c: int) -> Payload:
-            if policy == "exact":
-                return GroupSparse.from_dense(acc, g, bounds[c])
-            sent = topk.compress(acc, groups=bounds[c])
-            a, b = bounds[c][0] * g, min(bounds[c][1] * g, acc.numel())
-            kept[a:b].add_(acc[a:b])
-            sent.add_to(kept, alpha=-1.0)  # exact: kept == accumulated - sent
-            return sent
-
-        expect: type = SparseGroups if policy == "bounded" else GroupSparse
+        red = SparseReduction(sparse, policy)
+        bounds = chunk_bounds(n_groups(sparse.numel, sparse.group_size), self.world)
         mine = self.reduce_scatter(
-            reduce_chunk,
-            lambda _, p: p.add_to(acc),
+            lambda c: red.chunk(bounds[c]),
+            red.absorb,
             bounds=bounds,
-            expect=expect,
+            expect=red.expect,
             phase="rs",
             round=round,
         )
-        out = torch.zeros_like(acc)
-        reduced = reduce_chunk(mine)
+        out = torch.zeros_like(red.acc)
+        reduced = red.chunk(bounds[mine])
         reduced.add_to(out)
         self.all_gather(
             reduced,
             lambda _, p: p.add_to(out),
             bounds=bounds,
-            expect=expect,
+            expect=red.expect,
             phase="ag",
             round=round,
         )
-        return out, kept
+        return out, red.kept
 
     def allgather_sparse(self, sparse: SparseGroups, *, round: int = 0) -> torch.Tensor:
         """Baseline: forward every member's whole payload around the ring and sum."""

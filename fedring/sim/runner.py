@@ -19,7 +19,7 @@ import torch
 
 from fedring.aggregation.rules import Aggregation, capped_weights
 from fedring.collective.channel import CollectiveError, PeerChannel
-from fedring.collective.ring import Ring
+from fedring.collective.torus import build_ring, layout_name
 from fedring.config import JobSpec
 from fedring.counters import Counters
 from fedring.sim.star import serve_star
@@ -105,7 +105,7 @@ def simulate(
     star = Aggregation.parse(spec.aggregation).needs_star
 
     def agent(rank: int) -> AgentResult:
-        ring = Ring(channels[rank], names, timeout_s=spec.timeout_s)
+        ring = build_ring(channels[rank], names, spec.topology, spec.timeout_s)
         ctx = AgentContext(spec, trainers[rank], Exchange.build(ring, spec, numel),
                            p.dataset.x_test, p.dataset.y_test, p.weights[rank],
                            on_round if rank == 0 else None)  # fmt: skip
@@ -157,6 +157,7 @@ def summarise(
         "dense_equivalent_bytes": _dense_equivalent(spec, numel, results[0].rounds_run),
         "wall_seconds": wall,
         "params": numel,
+        "layout": "star" if spec.topology == "star" else layout_name(spec.topology, spec.agents),
         "model_hashes": hashes,
         "identical_models": len(hashes) == 1,
         "rollbacks": results[0].rollbacks,

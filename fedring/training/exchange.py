@@ -17,6 +17,7 @@ import torch
 
 from fedring.collective.channel import PeerChannel
 from fedring.collective.ring import Ring
+from fedring.collective.torus import Torus
 from fedring.collective.vote import majority_vote
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK, k_for
@@ -50,7 +51,7 @@ def compress_update(
 
 @dataclass
 class Exchange:
-    ring: Ring
+    ring: Ring | Torus
     spec: JobSpec
     numel: int
     ef: ErrorFeedback | None = None
@@ -59,7 +60,7 @@ class Exchange:
     last_error: float = 0.0  # ||g - sent|| / ||g|| of the last compression
 
     @classmethod
-    def build(cls, ring: Ring, spec: JobSpec, numel: int) -> Exchange:
+    def build(cls, ring: Ring | Torus, spec: JobSpec, numel: int) -> Exchange:
         compressed = spec.compression == "group-topk"
         topk = GroupTopK(spec.group_size, spec.k, spec.value_dtype) if compressed else None  # type: ignore[arg-type]
         feedback = spec.error_feedback and (compressed or spec.aggregation == "vote")
@@ -111,7 +112,7 @@ class Exchange:
         p = self.ef.compensate(vec) if self.ef is not None else vec
         if self.ef is not None:
             self.ef.update(SignQuantizer(4096).compress(p))  # keep what sign(p)*scale misses
-        return majority_vote(self.ring, p, round=round).to(torch.float32)
+        return majority_vote(self.ring.flat, p, round=round).to(torch.float32)
 
     def star(self, vec: torch.Tensor, *, round: int) -> torch.Tensor:
         """Send the compressed update to the aggregator; return what it decides."""

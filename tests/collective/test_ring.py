@@ -9,10 +9,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedring.collective import chunk_bounds, majority_vote, run_local_ring
+from fedring.collective.torus import grid_rows
 from fedring.compression import GroupTopK
 from tests.strategies import flat_vectors, value_dtypes
 
 worlds = st.integers(1, 8)
+# (world, grid rows): 0 rows is the flat ring, R > 0 an R x world/R torus
+layouts = st.one_of(
+    worlds.map(lambda w: (w, 0)),
+    st.sampled_from([(4, 2), (6, 2), (6, 3), (8, 2), (9, 3), (12, 3), (2, 1), (3, 3)]),
+)
 group_sizes = st.sampled_from([1, 3, 64, 256, 300])
 
 
@@ -30,27 +36,33 @@ def _same_everywhere(results: list[torch.Tensor]) -> bool:
     return all(torch.equal(r, results[0]) for r in results)
 
 
-@given(world=worlds, data=st.data())
-def test_dense_ring_equals_the_sum(world: int, data: st.DataObject) -> None:
+@given(layout=layouts, data=st.data())
+def test_dense_ring_equals_the_sum(layout: tuple[int, int], data: st.DataObject) -> None:
+    world, rows = layout
     xs = _inputs(data, world)
     ref = torch.stack([x.double() for x in xs]).sum(0)
-    run = run_local_ring(world, lambda ring: ring.allreduce_dense(xs[ring.rank]), key=b"k")
+    run = run_local_ring(
+        world, lambda ring: ring.allreduce_dense(xs[ring.rank]), key=b"k", grid_rows=rows
+    )
     assert _same_everywhere(run.results)
     torch.testing.assert_close(
         run.results[0].double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30
     )
 
 
-@given(world=worlds, g=group_sizes, data=st.data())
+@given(layout=layouts, g=group_sizes, data=st.data())
 def test_exact_sparse_ring_equals_the_sum_of_sparse_inputs(
-    world: int, g: int, data: st.DataObject
+    layout: tuple[int, int], g: int, data: st.DataObject
 ) -> None:
+    world, rows = layout
     xs = _inputs(data, world)
     topk = GroupTopK(g, data.draw(st.integers(1, min(g, 5))))
     sparse = [topk.compress(x) for x in xs]
     ref = torch.stack([s.decompress().double() for s in sparse]).sum(0)
     run = run_local_ring(
-        world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="exact")
+        world,
+        lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="exact"),
+        grid_rows=rows,
     )
     outs = [r[0] for r in run.results]
     assert _same_everywhere(outs)
@@ -60,17 +72,20 @@ def test_exact_sparse_ring_equals_the_sum_of_sparse_inputs(
     )
 
 
-@given(world=worlds, g=group_sizes, dtype=st.sampled_from(["fp32", "fp16"]), data=st.data())
+@given(layout=layouts, g=group_sizes, dtype=st.sampled_from(["fp32", "fp16"]), data=st.data())
 def test_bounded_ring_conserves_every_dropped_entry_exactly(
-    world: int, g: int, dtype: str, data: st.DataObject
+    layout: tuple[int, int], g: int, dtype: str, data: st.DataObject
 ) -> None:
+    world, rows = layout
     xs = _inputs(
         data, world, dyadic=True
     )  # sums exact in fp32: the invariant must hold bit for bit
     topk = GroupTopK(g, data.draw(st.integers(1, min(g, 4))), dtype)  # type: ignore[arg-type]
     sparse = [topk.compress(x) for x in xs]
     run = run_local_ring(
-        world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded")
+        world,
+        lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded"),
+        grid_rows=rows,
     )
     outs, kept = [r[0] for r in run.results], [r[1] for r in run.results]
     assert _same_everywhere(outs)
@@ -80,14 +95,17 @@ def test_bounded_ring_conserves_every_dropped_entry_exactly(
     assert int((outs[0] != 0).sum()) <= groups * topk.k  # still k per group
 
 
-@given(world=worlds, g=group_sizes, dtype=value_dtypes, data=st.data())
+@given(layout=layouts, g=group_sizes, dtype=value_dtypes, data=st.data())
 def test_bounded_conservation_with_arbitrary_floats(
-    world: int, g: int, dtype: str, data: st.DataObject
+    layout: tuple[int, int], g: int, dtype: str, data: st.DataObject
 ) -> None:
+    world, rows = layout
     xs = _inputs(data, world)
     sparse = [GroupTopK(g, 1, dtype).compress(x) for x in xs]  # type: ignore[arg-type]
     run = run_local_ring(
-        world, lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded")
+        world,
+        lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded"),
+        grid_rows=rows,
     )
     total = run.results[0][0].double() + sum(r[1].double() for r in run.results)
     ref = torch.stack([s.decompress().double() for s in sparse]).sum(0)
@@ -153,3 +171,19 @@ def test_chunk_bounds_cover_everything_in_order() -> None:
             assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
             sizes = [b - a for a, b in bounds]
             assert max(sizes) - min(sizes) <= 1
+
+
+def test_torus_sends_what_the_flat_ring_sends_in_fewer_frames() -> None:
+    numel, topk = 64 * 256 * 12, GroupTopK(256, 3, "fp16")
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(12)]
+    sparse = [topk.compress(x) for x in xs]
+    flat = run_local_ring(12, lambda ring: ring.allreduce_sparse(sparse[ring.rank]))
+    grid = run_local_ring(12, lambda ring: ring.allreduce_sparse(sparse[ring.rank]), grid_rows=3)
+    assert grid.payload_bytes == flat.payload_bytes  # 2(N-1)/N of one payload either way
+    assert all(s.frames_sent == 2 * (4 - 1) + 2 * (3 - 1) for s in grid.stats)
+    assert all(s.frames_sent == 2 * (12 - 1) for s in flat.stats)
+    assert sum(s.bytes_sent for s in grid.stats) < sum(s.bytes_sent for s in flat.stats)
+
+
+def test_grid_rows_is_the_largest_divisor_up_to_the_square_root() -> None:
+    assert [grid_rows(n) for n in (1, 2, 7, 8, 12, 16, 32, 36)] == [1, 1, 1, 2, 3, 4, 4, 6]

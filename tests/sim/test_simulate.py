@@ -31,6 +31,18 @@ def test_same_seed_same_model_hash_other_seed_other_hash() -> None:
     assert a["model_hashes"] == b["model_hashes"] != c["model_hashes"]
 
 
+@pytest.mark.parametrize("aggregation", ["mean", "vote"])
+def test_nine_agents_take_the_torus_and_still_agree(aggregation: str) -> None:
+    # plain EF-SGD: DGC momentum correction is unsteady with 9 agents at 1% (README)
+    lr, momentum = (0.002, 0.9) if aggregation == "vote" else (0.1, 0.0)
+    spec = JobSpec(agents=9, aggregation=aggregation, lr=lr, momentum=momentum, rounds=60,
+                   eval_every=30)  # fmt: skip
+    s = simulate(spec)
+    assert s["layout"] == "torus 3x3"
+    assert s["identical_models"]
+    assert s["final_accuracy"] > 0.5, s["evals"]
+
+
 @pytest.mark.parametrize(
     "changes",
     [
