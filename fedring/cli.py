@@ -175,13 +175,23 @@ def simulate_cmd(
     ),
     rounds: int | None = typer.Option(None, help="Communication rounds. [600]"),
     batch_size: int | None = typer.Option(None, help="Per-agent batch size. [32]"),
-    lr: float | None = typer.Option(None, help="Base learning rate for one node. [0.025]"),
+    lr: float | None = typer.Option(
+        None,
+        help="Base learning rate for one node (x N with linear scaling). "
+        "[auto: 0.1 for group-top-k sync (plain EF-SGD), else 0.025]",
+    ),
     lr_scaling: str | None = typer.Option(None, help="linear | sqrt | none. [linear]"),
     warmup_steps: int | None = typer.Option(None, help="Gradual warm-up steps. [50]"),
     momentum: float | None = typer.Option(
         None,
-        help="SGD momentum; with group-top-k in sync mode it runs inside error feedback "
-        "(DGC momentum correction). 0 is steadier for many non-iid agents. [0.9]",
+        help="SGD momentum for dense rings, local steps and async. Group-top-k sync "
+        "uses none unless --momentum-correction. [0.9]",
+    ),
+    momentum_correction: bool | None = typer.Option(
+        None,
+        "--momentum-correction/--no-momentum-correction",
+        help="Group-top-k sync: momentum inside error feedback (DGC). Lags or collapses "
+        "with 8+ non-iid agents; plain EF-SGD is the default. [off]",
     ),
     eval_every: int | None = typer.Option(None, help="Rounds between evaluations. [10]"),
     target_accuracy: float | None = typer.Option(None, help="Stop once reached (0 = never). [0]"),

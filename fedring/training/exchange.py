@@ -64,15 +64,11 @@ class Exchange:
         compressed = spec.compression == "group-topk"
         topk = GroupTopK(spec.group_size, spec.k, spec.value_dtype) if compressed else None  # type: ignore[arg-type]
         feedback = spec.error_feedback and (compressed or spec.aggregation == "vote")
-        # DGC momentum correction: with sparse gradients, momentum lives in the error
-        # feedback (velocity accumulated locally, cleared where sent). Momentum applied
-        # after the exchange would multiply every delayed burst of accumulated gradient
-        # by 1/(1-m) and diverge (measured: digits falls to 8% at m=0.9).
-        momentum = (
-            spec.momentum
-            if compressed and spec.sync == "sync" and spec.aggregation != "vote"
-            else 0.0
-        )
+        # DGC momentum correction (opt-in): with sparse gradients, momentum lives in
+        # the error feedback (velocity accumulated locally, cleared where sent).
+        # Momentum applied after the exchange would multiply every delayed burst of
+        # accumulated gradient by 1/(1-m) and diverge (digits falls to 8% at m=0.9).
+        momentum = spec.momentum if spec.compressed_sync and spec.momentum_correction else 0.0
         ef = ErrorFeedback(numel, momentum=momentum) if feedback else None
         warmup = spec.density_warmup and compressed
         schedule = (
@@ -81,9 +77,10 @@ class Exchange:
         return cls(ring, spec, numel, ef, topk, schedule)
 
     @property
-    def applies_momentum(self) -> bool:
-        """True when momentum is applied inside error feedback (the optimizer must not)."""
-        return self.ef is not None and self.ef.momentum > 0
+    def optimizer_momentum(self) -> float:
+        """Momentum for the optimizer: none when the gradients are compressed every
+        step (either it runs inside error feedback or the job runs plain EF-SGD)."""
+        return 0.0 if self.spec.compressed_sync else self.spec.momentum
 
     @property
     def channel(self) -> PeerChannel:

@@ -74,8 +74,7 @@ def run_agent(ctx: AgentContext) -> AgentResult:
     result = AgentResult()
     interval = spec.local_steps
     lr_factor = 1.0
-    if ex.applies_momentum:
-        trainer.momentum = 0.0
+    trainer.momentum = ex.optimizer_momentum
     first_loss, _ = trainer.evaluate(ctx.x_eval, ctx.y_eval)
     good = trainer.snapshot(ex.ef.residual if ex.ef else None)
     for r in range(spec.rounds):

@@ -33,10 +33,8 @@ def test_same_seed_same_model_hash_other_seed_other_hash() -> None:
 
 @pytest.mark.parametrize("aggregation", ["mean", "vote"])
 def test_nine_agents_take_the_torus_and_still_agree(aggregation: str) -> None:
-    # plain EF-SGD: DGC momentum correction is unsteady with 9 agents at 1% (README)
-    lr, momentum = (0.002, 0.9) if aggregation == "vote" else (0.1, 0.0)
-    spec = JobSpec(agents=9, aggregation=aggregation, lr=lr, momentum=momentum, rounds=60,
-                   eval_every=30)  # fmt: skip
+    changes = {"lr": 0.002} if aggregation == "vote" else {}  # the default is plain EF-SGD
+    spec = JobSpec(agents=9, aggregation=aggregation, rounds=60, eval_every=30, **changes)
     s = simulate(spec)
     assert s["layout"] == "torus 3x3"
     assert s["identical_models"]
@@ -83,6 +81,14 @@ def test_a_different_initial_model_is_refused() -> None:
 def test_median_needs_a_star() -> None:
     with pytest.raises(SpecError, match="needs every update in one place"):
         JobSpec(aggregation="median")
+
+
+def test_compressed_sync_runs_plain_ef_sgd_unless_momentum_correction_is_asked() -> None:
+    assert JobSpec().lr == 0.1 and JobSpec(compression="none").lr == 0.025
+    assert JobSpec(momentum_correction=True).lr == 0.025 and JobSpec(lr=0.3).lr == 0.3
+    plain = simulate(JobSpec(agents=2, rounds=3, eval_every=3))
+    dgc = simulate(JobSpec(agents=2, rounds=3, eval_every=3, momentum_correction=True, lr=0.1))
+    assert plain["model_hashes"] != dgc["model_hashes"]  # the flag reaches the exchange
 
 
 def test_divergence_rolls_back_and_halves_the_rate() -> None:
