@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
-from fedring.config import JobSpec
-from fedring.sim.runner import simulate
+from fedring.bench.accuracy import compare, print_table
 
 RUNS = {
     "dense ring": {"compression": "none"},
@@ -40,49 +37,18 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    table = {}
-    for name, changes in RUNS.items():
-        accs, sent = [], []
-        start = time.perf_counter()
-        for seed in seeds:
-            spec = JobSpec(
-                **{
-                    "agents": 4,
-                    "dataset": "digits",
-                    "rounds": args.rounds,
-                    "seed": seed,
-                    **({"lr": args.lr} if args.lr else {}),
-                    **changes,
-                }
-            )
-            s = simulate(spec)
-            accs.append(s["final_accuracy"])
-            sent.append(s["bytes_sent_per_agent"])
-        table[name] = {
-            "accuracy_mean": statistics.mean(accs),
-            "accuracy_min": min(accs),
-            "accuracy_max": max(accs),
-            "bytes_per_agent": statistics.mean(sent),
-            "seconds": time.perf_counter() - start,
-        }
-    dense = table["dense ring"]
-    for row in table.values():
-        row["pp_vs_dense"] = 100 * (row["accuracy_mean"] - dense["accuracy_mean"])
-        row["bytes_ratio_vs_dense"] = dense["bytes_per_agent"] / row["bytes_per_agent"]
+    base = {"agents": 4, "dataset": "digits", "rounds": args.rounds,
+            **({"lr": args.lr} if args.lr else {})}  # fmt: skip
+    table = compare(base, RUNS, seeds)
     if args.json:
         out = {"seeds": seeds, "rounds": args.rounds, "lr": args.lr, "results": table}
         print(json.dumps(out, sort_keys=True))
         return
-    print(
+    print_table(
         f"digits, MLP, 4 agents iid, {args.rounds} rounds, "
-        f"base lr {args.lr or 'auto'}, seeds {seeds}"
+        f"base lr {args.lr or 'auto'}, seeds {seeds}",
+        table,
     )
-    head = ("", "accuracy mean [min, max]", "pp vs dense", "bytes/agent", "x fewer")
-    print(f"{head[0]:24} {head[1]:>28} {head[2]:>12} {head[3]:>13} {head[4]:>8}")
-    for name, r in table.items():
-        acc = f"{r['accuracy_mean']:.4f} [{r['accuracy_min']:.4f}, {r['accuracy_max']:.4f}]"
-        print(f"{name:24} {acc:>28} {r['pp_vs_dense']:>+12.2f} {r['bytes_per_agent']:>13,.0f} "
-              f"{r['bytes_ratio_vs_dense']:>8.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -93,9 +93,7 @@ class JobSpec:
             _check_int(self, name, 1, 10**9)
         _check_int(self, "warmup_steps", 0, 10**9)
         _check_int(self, "density_warmup", 0, 10**9)
-        if self.lr == 0:
-            object.__setattr__(self, "lr", 0.1 if self.plain_ef_sgd else 0.025)
-        _check_float(self, "lr", 1e-9, 100.0)
+        _check_float(self, "lr", 0.0, 100.0)
         _check_float(self, "momentum", 0.0, 0.999)
         _check_float(self, "weight_cap", 1.0, 1e9)
         _check_float(self, "staleness_power", 0.0, 10.0)
@@ -117,6 +115,8 @@ class JobSpec:
                 f"field 'aggregation'={self.aggregation!r} needs every update in one place: "
                 "use topology='star' or sync='async'"
             )
+        if self.lr == 0:  # auto, once the aggregation is known to parse
+            object.__setattr__(self, "lr", 0.1 if self.plain_ef_sgd else 0.025)
 
     @property
     def compressed_sync(self) -> bool:
@@ -124,7 +124,7 @@ class JobSpec:
         return (
             self.compression == "group-topk"
             and self.sync == "sync"
-            and not self.aggregation.startswith("vote")
+            and Aggregation.parse(self.aggregation).kind != "vote"
         )
 
     @property

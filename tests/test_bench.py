@@ -18,3 +18,15 @@ def test_bounded_ring_sends_at_least_100x_fewer_bytes_than_dense_at_8_agents() -
     assert row["bounded"]["max_abs_err"] < 1e-4  # result + kept == sum of inputs
     assert row["exact"]["max_abs_err"] < 1e-4
     assert row["dense"]["max_abs_err"] < 1e-4
+
+
+def test_accuracy_compare_sets_every_run_beside_the_first() -> None:
+    from fedring.bench.accuracy import compare
+
+    base = {"agents": 2, "rounds": 5, "eval_every": 5}
+    runs = {"dense": {"compression": "none"}, "topk": {}}
+    table = compare(base, runs, seeds=[0, 1])
+    assert table["dense"]["pp_vs_dense"] == 0 and table["dense"]["bytes_ratio_vs_dense"] == 1
+    assert table["topk"]["bytes_ratio_vs_dense"] > 3  # 1% of 17 K values against fp32
+    t = table["topk"]
+    assert t["accuracy_min"] <= t["accuracy_mean"] <= t["accuracy_max"]

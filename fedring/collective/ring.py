@@ -72,9 +72,9 @@ class SparseReduction:
         self.topk = GroupTopK(sparse.group_size, sparse.k, sparse.value_dtype)
         self.expect: type = SparseGroups if policy == "bounded" else GroupSparse
 
-    def chunk(self, span: tuple[int, int], source: torch.Tensor | None = None) -> Payload:
-        """The payload for groups ``span`` of `source` (default: the accumulator)."""
-        src = self.acc if source is None else source
+    def chunk(self, span: tuple[int, int]) -> Payload:
+        """The payload for groups ``span`` of the accumulator."""
+        src = self.acc
         if self.policy == "exact":
             return GroupSparse.from_dense(src, self.group_size, span)
         sent = self.topk.compress(src, groups=span)
@@ -85,6 +85,23 @@ class SparseReduction:
 
     def absorb(self, _: int, payload: Payload) -> None:
         payload.add_to(self.acc)
+
+    def repack(self, reduced: torch.Tensor, span: tuple[int, int], own: tuple[int, int]) -> Payload:
+        """One payload for the already reduced groups `span` of `reduced`, which is
+        rewritten to what the payload carries. Repacking wire-dtype values is exact;
+        should it round, only groups `own` keep the difference here, so members that
+        repack the same span each keep a disjoint part of it."""
+        g = self.group_size
+        if self.policy == "exact":
+            return GroupSparse.from_dense(reduced, g, span)
+        sent = self.topk.compress(reduced, groups=span)
+        carried = torch.zeros_like(reduced)
+        sent.add_to(carried)
+        a, b = own[0] * g, min(own[1] * g, reduced.numel())
+        self.kept[a:b].add_(reduced[a:b] - carried[a:b])
+        lo, hi = span[0] * g, min(span[1] * g, reduced.numel())
+        reduced[lo:hi] = carried[lo:hi]
+        return sent
 
 
 @dataclass

@@ -152,17 +152,9 @@ class Torus:
             reduced, lambda _, p: p.add_to(out),
             bounds=cb, expect=red.expect, phase="ag2", round=round,
         )  # fmt: skip
-        # Every member of the column now holds the same reduced row chunk; pack it
-        # as one payload for the row. Repacking values already in the wire dtype is
-        # exact; should it ever round, each member keeps the difference on its own
-        # sub-chunk only, so the column keeps it once.
-        packed = SparseReduction(sparse, policy)
-        whole = packed.chunk(span, source=out)
-        a, b = cb[mine][0] * g, min(cb[mine][1] * g, out.numel())
-        red.kept[a:b].add_(packed.kept[a:b])
-        lo, hi = span[0] * g, min(span[1] * g, out.numel())
-        out[lo:hi] = 0.0
-        whole.add_to(out)
+        # Every member of the column now holds the same reduced row chunk: pack it
+        # as one payload for the row.
+        whole = red.repack(out, span, own=cb[mine])
         self.row.all_gather(
             whole, lambda _, p: p.add_to(out),
             bounds=rb, expect=red.expect, phase="ag", round=round,
