@@ -53,6 +53,10 @@ class CollectiveTimeout(CollectiveError):
     pass
 
 
+class CollectiveInterrupted(CollectiveError):
+    """This endpoint's owner interrupted the wait (the round was halted)."""
+
+
 class PeerChannel:
     """Sends payloads as frames and receives them from peers, for one job."""
 
@@ -153,6 +157,8 @@ class PeerChannel:
                     f"from {src!r}{last}"
                 ) from exc
             if isinstance(item, MembershipEvent):
+                if item.kind == "interrupted":
+                    raise CollectiveInterrupted(f"{self.name!r}: round {round} was interrupted")
                 if item.kind == "joined":
                     self._seen.forget(item.name)  # a restarted peer counts from 0 again
                 elif item.name == src:

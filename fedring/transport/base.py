@@ -56,9 +56,13 @@ class Delivery:
 
 @dataclass(frozen=True)
 class MembershipEvent:
-    """`joined`, `left` (said goodbye) or `lost` (died: last-will, missed heartbeat)."""
+    """`joined`, `left` (said goodbye) or `lost` (died: last-will, missed heartbeat).
 
-    kind: Literal["joined", "left", "lost"]
+    `interrupted` is local: this endpoint's owner asked a blocked receive to give
+    up (the coordinator halted the round).
+    """
+
+    kind: Literal["joined", "left", "lost", "interrupted"]
     name: str
 
 

@@ -1,0 +1,465 @@
+"""MQTT transport on paho-mqtt 2.x: a real broker between agents and the coordinator.
+
+One `MqttLink` is one connection for one identity (an agent id or
+``coordinator``). It publishes retained presence on ``agents/{id}/status`` with a
+last-will that marks it ``lost``, subscribes to its own inboxes and to everyone's
+presence, reconnects with exponential backoff plus jitter, and keeps a bounded
+outgoing queue (QoS 1, MQTT 5 when the broker speaks it, 3.1.1 otherwise; the
+session survives reconnects and broker restarts, so queued frames are not lost).
+
+Incoming messages go to one of two queues:
+
+- **data**: ring frames from peers, as `Delivery(src, bytes)`, and presence changes
+  as `MembershipEvent`s; `MqttLink.endpoint(job)` gives the `Endpoint` view that
+  `PeerChannel` reads.
+- **control**: frames from the senders named in `control_from` (an agent listens
+  to the coordinator there), hellos and metrics (the coordinator), and presence
+  changes again, as `Control` items.
+
+The sender of an inbox message is the topic's last level, which the broker's ACL
+binds to the client's user name (see `topics`); QoS 1 may deliver twice, so
+`PeerChannel` de-duplicates by (src, seq).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from fedring.counters import Counters
+from fedring.transport import topics
+from fedring.transport.base import (
+    Deadline,
+    Delivery,
+    EndpointClosed,
+    LinkStats,
+    MembershipEvent,
+    PeerUnreachable,
+    TransportError,
+    TransportTimeout,
+)
+
+log = logging.getLogger(__name__)
+
+_MAX_STATUS_BYTES = 1024
+
+
+class BrokerUnreachable(TransportError):
+    """No connection to the broker before the deadline."""
+
+
+class BrokerRefused(TransportError):
+    """The broker answered but refused us: credentials, ACL or protocol."""
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Where the broker is and how to talk to it.
+
+    >>> BrokerConfig.parse("mqtt://127.0.0.1:1884").port
+    1884
+    >>> BrokerConfig.parse("mqtts://broker.lan").port
+    8883
+    """
+
+    host: str
+    port: int
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+    ca: str | None = None  # CA bundle to verify the broker (TLS)
+    cert: str | None = None  # client certificate (TLS, optional)
+    key: str | None = None  # client key (TLS, optional)
+    keepalive: int = 5  # seconds; the broker declares us lost after 1.5x this
+    protocol: Literal["auto", "5", "3.1.1"] = "auto"
+    max_queued: int = 4096  # outgoing messages held while the broker is slow or away
+    session_expiry_s: int = 600  # MQTT 5: the broker keeps our session this long
+    will_delay_s: int = 2  # MQTT 5: "lost" goes out this long after an unclean drop
+    lost_grace_s: float = 1.0  # a peer's "lost" counts if our own link stays up this long
+    connect_timeout_s: float = 15.0
+
+    @classmethod
+    def parse(cls, url: str, **options: Any) -> BrokerConfig:
+        """``mqtt://HOST[:PORT]`` (1883) or ``mqtts://HOST[:PORT]`` (8883, TLS)."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+            raise ValueError(
+                f"--broker {url!r} must look like mqtt://HOST:PORT or mqtts://HOST:PORT"
+            )
+        tls = parts.scheme == "mqtts"
+        try:
+            port = parts.port or (8883 if tls else 1883)
+        except ValueError:
+            raise ValueError(f"--broker {url!r}: the port must be a number in [1, 65535]") from None
+        return cls(parts.hostname, port, tls=tls, **options)
+
+    @property
+    def url(self) -> str:
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Control:
+    """A message for the daemon's or the coordinator's own loop."""
+
+    kind: Literal["frame", "hello", "metrics", "member"]
+    src: str
+    data: bytes = b""
+    job: str = ""
+    event: MembershipEvent | None = None
+
+
+@dataclass
+class _Presence:
+    online: dict[str, str] = field(default_factory=dict)  # id -> session
+    pending_lost: dict[str, str] = field(default_factory=dict)  # id -> session, unconfirmed
+
+
+class MqttLink:
+    """One identity's connection to the broker."""
+
+    def __init__(
+        self,
+        cfg: BrokerConfig,
+        me: str,
+        *,
+        control_from: Collection[str] = (topics.COORDINATOR,),
+        listen_hellos: bool = False,
+        counters: Counters | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.me = topics.check_id("id", me)
+        self.session = os.urandom(6).hex()
+        self.stats = LinkStats()
+        self.counters = counters or Counters()
+        self.control: queue.Queue[Control] = queue.Queue()
+        self._data: queue.Queue[Delivery | MembershipEvent | tuple[str, Delivery]] = queue.Queue()
+        self._control_from = frozenset(control_from)
+        self._listen_hellos = listen_hellos
+        self._presence = _Presence()
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._connack: tuple[bool, str] | None = None
+        self._connack_ready = threading.Event()
+        self._closed = False
+        self._drops = 0  # disconnections so far: a pending "lost" from before one is void
+        self._client: mqtt.Client | None = None
+        self._v5 = cfg.protocol != "3.1.1"
+        self._probe_seen: queue.Queue[bytes] = queue.Queue()
+
+    # -- connection -----------------------------------------------------------
+
+    def connect(self) -> MqttLink:
+        """Connect (falling back to MQTT 3.1.1 if asked or needed) and announce presence."""
+        try:
+            self._connect_once()
+        except BrokerRefused as exc:
+            if self.cfg.protocol != "auto" or "protocol" not in str(exc).lower():
+                raise
+            log.info("broker refused MQTT 5 (%s); falling back to 3.1.1", exc)
+            self._v5 = False
+            self._connect_once()
+        return self
+
+    def _connect_once(self) -> None:
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=f"fedring-{self.me}",
+            protocol=mqtt.MQTTv5 if self._v5 else mqtt.MQTTv311,
+            clean_session=None if self._v5 else False,
+        )
+        if self.cfg.username is not None:
+            client.username_pw_set(self.cfg.username, self.cfg.password)
+        if self.cfg.tls:
+            client.tls_set(ca_certs=self.cfg.ca, certfile=self.cfg.cert, keyfile=self.cfg.key)
+        # Backoff doubles from ~1 s to 8 s; the jitter keeps a fleet from reconnecting in step.
+        client.reconnect_delay_set(1 + random.random(), 8)  # type: ignore[arg-type]
+        client.max_queued_messages_set(self.cfg.max_queued)
+        client.max_inflight_messages_set(100)
+        will_props = None
+        if self._v5:  # a broker restart must not look like a death: reconnecting cancels it
+            will_props = Properties(PacketTypes.WILLMESSAGE)
+            will_props.WillDelayInterval = self.cfg.will_delay_s
+        client.will_set(
+            topics.status(self.me), self._status("lost"), 1, True, properties=will_props
+        )
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        self._client = client
+        self._connack_ready.clear()
+        props = None
+        if self._v5:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self.cfg.session_expiry_s
+        try:
+            client.connect_async(
+                self.cfg.host, self.cfg.port, keepalive=self.cfg.keepalive, properties=props
+            )
+        except (OSError, ValueError) as exc:
+            raise BrokerUnreachable(f"broker {self.cfg.url}: {exc}") from exc
+        client.loop_start()
+        if not self._connack_ready.wait(self.cfg.connect_timeout_s):
+            self._stop_client()
+            raise BrokerUnreachable(
+                f"no answer from broker {self.cfg.url} within {self.cfg.connect_timeout_s:g} s "
+                "(is mosquitto running, and is the host and port right?)"
+            )
+        ok, reason = self._connack or (False, "no CONNACK")
+        if not ok:
+            self._stop_client()
+            who = f" as user {self.cfg.username!r}" if self.cfg.username else " anonymously"
+            raise BrokerRefused(f"broker {self.cfg.url} refused {self.me!r}{who}: {reason}")
+
+    def _status(self, state: str) -> bytes:
+        return json.dumps({"state": state, "session": self.session, "ts": time.time()}).encode()
+
+    def _on_connect(self, client: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
+        if rc.is_failure:
+            self._connack = (False, str(rc))
+            self._connack_ready.set()
+            return
+        subs = [topics.my_inboxes(self.me), f"{topics.ROOT}/agents/+/status", topics.probe(self.me)]
+        if self._listen_hellos:
+            subs += [f"{topics.ROOT}/agents/+/hello", f"{topics.ROOT}/jobs/+/metrics/+"]
+        client.subscribe([(t, 1) for t in subs])
+        client.publish(topics.status(self.me), self._status("online"), qos=1, retain=True)
+        if self._connack is not None and self._connack[0]:
+            self.counters.add("mqtt_reconnect")
+            log.info("%s reconnected to %s", self.me, self.cfg.url)
+        self._connack = (True, "")
+        self._connected.set()
+        self._connack_ready.set()
+
+    def _on_disconnect(self, _c: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
+        self._connected.clear()
+        with self._lock:
+            self._drops += 1
+        if not self._closed:
+            self.counters.add("mqtt_disconnect")
+            log.warning("%s lost the broker %s (%s); reconnecting", self.me, self.cfg.url, rc)
+
+    def _stop_client(self) -> None:
+        if self._client is not None:
+            self._client.loop_stop()
+            self._client.disconnect()
+
+    # -- incoming -------------------------------------------------------------
+
+    def _on_message(self, _c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        try:
+            self._route(msg.topic, bytes(msg.payload), bool(msg.retain))
+        except Exception:  # a callback that raises would stop paho's network loop
+            self.counters.add("mqtt_callback_error")
+            log.exception("%s: error handling a message on %s", self.me, msg.topic)
+
+    def _route(self, topic: str, payload: bytes, retained: bool = False) -> None:
+        box = topics.parse_inbox(topic)
+        if box is not None:
+            job, _dst, src = box
+            self.stats.frames_received += 1
+            self.stats.bytes_received += len(payload)
+            if src in self._control_from:
+                self.control.put(Control("frame", src, payload, job))
+            else:
+                self._data.put((job, Delivery(src, payload)))
+            return
+        agent = topics.parse_agent_topic(topic)
+        if agent is not None:
+            who, leaf = agent
+            if leaf == "status":
+                self._presence_changed(who, payload, retained)
+            elif leaf == "hello" and payload:
+                self.control.put(Control("hello", who, payload))
+            elif leaf == "probe" and who == self.me:
+                self._probe_seen.put(payload)
+            return
+        parts = topic.split("/")
+        if len(parts) == 6 and parts[4] == "metrics":
+            self.control.put(Control("metrics", parts[5], payload, parts[3]))
+
+    def _presence_changed(self, who: str, payload: bytes, retained: bool) -> None:
+        if who == self.me:
+            return
+        state, session = "offline", ""
+        if payload and len(payload) <= _MAX_STATUS_BYTES:
+            try:
+                doc = json.loads(payload)
+                state, session = str(doc.get("state", "offline")), str(doc.get("session", ""))
+            except (ValueError, AttributeError):
+                self.counters.add("bad_status")
+                log.warning("%s: unreadable status from %s", self.me, who)
+                return
+        events: list[MembershipEvent] = []
+        with self._lock:
+            known = self._presence.online.get(who)
+            self._presence.pending_lost.pop(who, None)
+            if state == "online":
+                if known != session:
+                    if known is not None:  # restarted without us seeing it go
+                        events.append(MembershipEvent("lost", who))
+                    events.append(MembershipEvent("joined", who))
+                    self._presence.online[who] = session
+            elif known is not None and (not session or session == known):
+                if state == "lost":  # confirmed later: a broker going down sends every will
+                    self._presence.pending_lost[who] = session
+                    grace = self.cfg.lost_grace_s * (5 if retained else 1)
+                    timer = threading.Timer(grace, self._confirm_lost, (who, session, self._drops))
+                    timer.daemon = True
+                    timer.start()
+                else:
+                    del self._presence.online[who]
+                    events.append(MembershipEvent("left", who))
+        self._emit(who, events)
+
+    def _confirm_lost(self, who: str, session: str, drops: int) -> None:
+        with self._lock:
+            if self._presence.pending_lost.get(who) != session:
+                return  # it came back, or a newer status replaced this one
+            if drops != self._drops or not self._connected.is_set():
+                return  # we lost the broker meanwhile: the status will be re-read
+            del self._presence.pending_lost[who]
+            self._presence.online.pop(who, None)
+        self._emit(who, [MembershipEvent("lost", who)])
+
+    def _emit(self, who: str, events: list[MembershipEvent]) -> None:
+        for event in events:
+            log.info("%s sees %s %s", self.me, who, event.kind)
+            self._data.put(event)
+            self.control.put(Control("member", who, event=event))
+
+    # -- outgoing -------------------------------------------------------------
+
+    def publish(self, topic: str, data: bytes, deadline: Deadline, *, retain: bool = False) -> None:
+        """QoS 1 publish; waits for room in the outgoing queue until `deadline`."""
+        if self._closed or self._client is None:
+            raise EndpointClosed(f"link {self.me!r} is closed")
+        while True:
+            info = self._client.publish(topic, data, qos=1, retain=retain)
+            if info.rc == mqtt.MQTT_ERR_SUCCESS or info.rc == mqtt.MQTT_ERR_NO_CONN:
+                break  # NO_CONN: queued, sent once we reconnect
+            if info.rc != mqtt.MQTT_ERR_QUEUE_SIZE:
+                raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+            if deadline.expired:
+                self.counters.add("send_queue_full")
+                raise TransportTimeout(f"outgoing queue of {self.me!r} stayed full")
+            time.sleep(0.005)
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += len(data)
+
+    def send_to(self, job: str, dst: str, data: bytes, deadline: Deadline) -> None:
+        self.publish(topics.inbox(job, dst, self.me), data, deadline)
+        self.stats.per_peer_sent[dst] = self.stats.per_peer_sent.get(dst, 0) + len(data)
+
+    def peers(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._presence.online)
+
+    def wait_connected(self, deadline: Deadline) -> bool:
+        return self._connected.wait(deadline.remaining())
+
+    def probe_bandwidth(self, total: int = 256 * 1024, piece: int = 64 * 1024) -> float:
+        """Bytes per second of a round trip through the broker (0.0 if it fails)."""
+        while not self._probe_seen.empty():
+            self._probe_seen.get_nowait()
+        deadline = Deadline.after(10.0)
+        start = time.perf_counter()
+        pieces = max(1, total // piece)
+        try:
+            for _ in range(pieces):
+                self.publish(topics.probe(self.me), bytes(piece), deadline)
+            for _ in range(pieces):
+                self._probe_seen.get(timeout=deadline.remaining() or 1e-3)
+        except (queue.Empty, TransportError):
+            return 0.0
+        return pieces * piece / max(time.perf_counter() - start, 1e-9)
+
+    def interrupt(self) -> None:
+        """Wake a `recv` on the data queue: it raises `EndpointClosed`-like `interrupted`."""
+        self._data.put(MembershipEvent("interrupted", self.me))
+
+    def endpoint(self, job: str) -> MqttEndpoint:
+        return MqttEndpoint(self, job)
+
+    def close(self, state: str = "offline") -> None:
+        """Say goodbye (retained status), then disconnect."""
+        if self._closed or self._client is None:
+            return
+        try:
+            info = self._client.publish(topics.status(self.me), self._status(state), 1, True)
+            info.wait_for_publish(2.0)
+        except (RuntimeError, ValueError):
+            pass
+        self._closed = True
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    def kill(self) -> None:
+        """Drop the connection without a goodbye (tests): the broker sends our will."""
+        self._closed = True
+        if self._client is not None:
+            self._client.loop_stop()
+            sock = self._client.socket()
+            if sock is not None:
+                sock.close()
+
+
+class MqttEndpoint:
+    """The `Endpoint` of one job over a link: what `PeerChannel` sends and receives on."""
+
+    def __init__(self, link: MqttLink, job: str) -> None:
+        self.link = link
+        self.job = topics.check_id("job", job)
+        self.name = link.me
+        self.stats = link.stats
+
+    def send(self, dst: str, data: bytes, deadline: Deadline) -> None:
+        if dst not in self.link.peers():
+            raise PeerUnreachable(f"{dst!r} is not online at broker {self.link.cfg.url}")
+        self.link.send_to(self.job, dst, data, deadline)
+
+    def recv(self, deadline: Deadline) -> Delivery | MembershipEvent:
+        while True:
+            try:
+                item = self.link._data.get(timeout=max(deadline.remaining(), 1e-4))
+            except queue.Empty:
+                raise TransportTimeout(
+                    f"{self.name!r} received nothing before the deadline"
+                ) from None
+            if isinstance(item, tuple):
+                job, delivery = item
+                if job != self.job:
+                    self.link.counters.add("frame_other_job")
+                    continue
+                return delivery
+            return item
+
+    def peers(self) -> frozenset[str]:
+        return self.link.peers()
+
+    def close(self) -> None:
+        """The link outlives the job; closing a job's endpoint leaves it connected."""
+
+    def drain(self) -> int:
+        """Drop every queued data item (stale frames of an aborted round); return the count."""
+        n = 0
+        while True:
+            try:
+                self.link._data.get_nowait()
+                n += 1
+            except queue.Empty:
+                return n
