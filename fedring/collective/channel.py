@@ -157,8 +157,10 @@ class PeerChannel:
                     f"from {src!r}{last}"
                 ) from exc
             if isinstance(item, MembershipEvent):
-                if item.kind == "interrupted":
+                if item.kind == "interrupted" and item.name in (self.job, "*"):
                     raise CollectiveInterrupted(f"{self.name!r}: round {round} was interrupted")
+                if item.kind == "interrupted":
+                    continue  # meant for an earlier job or epoch
                 if item.kind == "joined":
                     self._seen.forget(item.name)  # a restarted peer counts from 0 again
                 elif item.name == src:

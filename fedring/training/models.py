@@ -253,5 +253,13 @@ def params_sha256(model: nn.Module) -> str:
 
     Equal digests mean bitwise-equal replicas; used to check agents start (and stay) in sync.
     """
-    data = flat_params(model).cpu().numpy().astype("<f4", copy=False).tobytes()
-    return hashlib.sha256(data).hexdigest()
+    return flat_sha256(flat_params(model))
+
+
+def flat_sha256(flat: torch.Tensor) -> str:
+    """Hex sha256 of a flat float32 vector's little-endian bytes (see `params_sha256`)."""
+    return hashlib.sha256(flat_bytes(flat)).hexdigest()
+
+
+def flat_bytes(flat: torch.Tensor) -> bytes:
+    return flat.detach().cpu().numpy().astype("<f4", copy=False).tobytes()

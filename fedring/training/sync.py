@@ -42,6 +42,8 @@ class AgentContext:
     y_eval: torch.Tensor
     weight: float  # this agent's share in the average (1/N, or its manifest weight)
     on_round: Callable[[int, dict[str, Any]], None] | None = None
+    before_round: Callable[[int], None] | None = None  # e.g. keep a state to retry from
+    start_round: int = 0  # resume here (the agent already holds the state after it)
 
 
 @dataclass
@@ -77,7 +79,9 @@ def run_agent(ctx: AgentContext) -> AgentResult:
     trainer.momentum = ex.optimizer_momentum
     first_loss, _ = trainer.evaluate(ctx.x_eval, ctx.y_eval)
     good = trainer.snapshot(ex.ef.residual if ex.ef else None)
-    for r in range(spec.rounds):
+    for r in range(ctx.start_round, spec.rounds):
+        if ctx.before_round is not None:
+            ctx.before_round(r)
         lr = sched.lr_at(r) * lr_factor
         if spec.sync == "sync":
             loss, gnorm = _sync_round(ctx, agg, r, lr)

@@ -80,7 +80,11 @@ class Mosquitto:
             "log_type notice",
         ]
         if self.persistence:
-            lines += ["persistence true", f"persistence_location {self.dir}/", "autosave_interval 1"]
+            lines += [
+                "persistence true",
+                f"persistence_location {self.dir}/",
+                "autosave_interval 1",
+            ]
         if self.users:
             pw = self.dir / "passwd"
             pw.write_text("")
@@ -112,7 +116,10 @@ class Mosquitto:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 tail = self.log.read_text()[-2000:] if self.log.exists() else ""
                 raise RuntimeError(f"mosquitto exited at start: {err}{tail}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), 0.2),
+            ):
                 return self
             time.sleep(0.05)
         self.stop()

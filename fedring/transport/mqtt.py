@@ -273,7 +273,7 @@ class MqttLink:
             job, _dst, src = box
             self.stats.frames_received += 1
             self.stats.bytes_received += len(payload)
-            if src in self._control_from:
+            if src in self._control_from or "*" in self._control_from:
                 self.control.put(Control("frame", src, payload, job))
             else:
                 self._data.put((job, Delivery(src, payload)))
@@ -388,9 +388,10 @@ class MqttLink:
             return 0.0
         return pieces * piece / max(time.perf_counter() - start, 1e-9)
 
-    def interrupt(self) -> None:
-        """Wake a `recv` on the data queue: it raises `EndpointClosed`-like `interrupted`."""
-        self._data.put(MembershipEvent("interrupted", self.me))
+    def interrupt(self, channel_job: str) -> None:
+        """Wake a `PeerChannel` of `channel_job` blocked in `recv`: it raises
+        `CollectiveInterrupted` (channels of other jobs ignore it)."""
+        self._data.put(MembershipEvent("interrupted", channel_job))
 
     def endpoint(self, job: str) -> MqttEndpoint:
         return MqttEndpoint(self, job)
@@ -428,6 +429,9 @@ class MqttEndpoint:
         self.stats = link.stats
 
     def send(self, dst: str, data: bytes, deadline: Deadline) -> None:
+        soon = Deadline.after(min(2.0, deadline.remaining()))
+        while dst not in self.link.peers() and not soon.expired:
+            time.sleep(0.02)  # its retained status may not have reached us yet
         if dst not in self.link.peers():
             raise PeerUnreachable(f"{dst!r} is not online at broker {self.link.cfg.url}")
         self.link.send_to(self.job, dst, data, deadline)

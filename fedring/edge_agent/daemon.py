@@ -1,0 +1,262 @@
+"""`fedring agent`: the long-running daemon on each board.
+
+It connects to the broker, announces itself (retained ``hello`` with its profile
+and a measured step time and bandwidth), and then waits. A ``manifest`` from the
+coordinator hands it a job: key, ring members, its shard, the spec. It verifies
+its shard and the initial model by sha256, then runs the rounds in a worker
+thread while this loop keeps listening, so that a ``bye`` (halt) or the
+coordinator's disappearance can stop a segment at once. After each segment it
+reports: ``bye`` with its model hash when the job is done, ``nack`` with the last
+completed round when the segment was cut short. On SIGTERM it halts, publishes
+"offline" and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedring.collective.channel import CollectiveError
+from fedring.config import JobSpec, SpecError
+from fedring.counters import Counters
+from fedring.edge_agent.worker import JobRefused, JobWorker, Segment
+from fedring.training.datasets import DatasetError
+from fedring.training.models import flat_bytes, flat_sha256
+from fedring.training.sharding import ShardError
+from fedring.transport import topics
+from fedring.transport.base import Deadline, TransportError
+from fedring.transport.mqtt import BrokerConfig, Control, MqttLink
+from fedring.wire.control import ControlCodec, ControlMessage
+from fedring.wire.errors import FrameError, FrameReason
+
+log = logging.getLogger(__name__)
+SEND_S = 10.0
+
+
+@dataclass
+class _Running:
+    seg: Segment
+    thread: threading.Thread
+    halt: threading.Event = field(default_factory=threading.Event)
+
+
+class AgentDaemon:
+    def __init__(
+        self,
+        cfg: BrokerConfig,
+        me: str,
+        *,
+        data_dir: Path | None = None,
+        profile: dict[str, Any] | None = None,
+        threads: int = 1,
+    ) -> None:
+        self.cfg, self.me = cfg, topics.check_id("--id", me)
+        self.data_dir = data_dir
+        self.profile = profile or {"name": "generic", "machine": platform.machine()}
+        self.threads = threads
+        self.counters = Counters()
+        self.codec = ControlCodec(me, counters=self.counters)
+        self.stop = threading.Event()
+        self.link: MqttLink | None = None
+        self.worker: JobWorker | None = None
+        self.running: _Running | None = None
+        self.awaiting: Segment | None = None  # manifest received, checkpoint model not yet
+        self.jobs_done = 0
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def run(self) -> int:
+        torch.set_num_threads(self.threads)
+        self.link = MqttLink(self.cfg, self.me, counters=self.counters).connect()
+        self._hello()
+        log.info("agent %s ready on %s", self.me, self.cfg.url)
+        while not self.stop.is_set():
+            try:
+                item = self.link.control.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._handle(item)
+            except FrameError as exc:
+                self.counters.add(f"frame_{exc.reason.value}")
+                log.warning("%s refused a control message: %s", self.me, exc)
+        self._halt("shutting down")
+        self._join()
+        self.link.publish(topics.hello(self.me), b"", Deadline.after(2.0), retain=True)
+        self.link.close("offline")
+        log.info("agent %s stopped; counters %s", self.me, self.counters.snapshot())
+        return 0
+
+    def _hello(self) -> None:
+        assert self.link is not None
+        doc = {
+            "id": self.me, "session": self.link.session, "profile": self.profile,
+            "step_s": _step_time(), "link_bps": self.link.probe_bandwidth(),
+            "threads": self.threads,
+        }  # fmt: skip
+        [frame] = self.codec.encode("hello", "-", topics.COORDINATOR, doc, sign=False)
+        self.link.publish(topics.hello(self.me), frame, Deadline.after(SEND_S), retain=True)
+
+    # -- control messages -------------------------------------------------------
+
+    def _handle(self, item: Control) -> None:
+        if item.kind == "member" and item.src == topics.COORDINATOR and item.event is not None:
+            if item.event.kind in ("lost", "left"):
+                self._halt(f"coordinator {item.event.kind}")
+            return
+        if item.kind != "frame":
+            return
+        msg = self.codec.decode(item.src, item.data)
+        if msg is None:
+            return
+        if msg.kind == "manifest":
+            self._on_manifest(msg)
+        elif msg.kind == "model":
+            self._on_model(msg)
+        elif msg.kind == "bye":
+            epoch = msg.doc.get("epoch")
+            why = msg.doc.get("why", "")
+            self._halt(f"coordinator said {why!r} (epoch {epoch})")
+            if why == "done":
+                self._join()
+                self.worker, self.awaiting = None, None
+                self.jobs_done += 1
+
+    def _on_manifest(self, msg: ControlMessage) -> None:
+        doc = msg.doc
+        self._halt("a new manifest arrived")
+        self._join()
+        try:
+            key = bytes.fromhex(str(doc["key"]))
+            seg = Segment(
+                job=topics.check_id("job", str(doc["job"])), epoch=int(doc["epoch"]),
+                members=[str(m) for m in doc["members"]], start_round=int(doc["start_round"]),
+                params_sha256=str(doc.get("params_sha256", "")), head=str(doc["head"]),
+            )  # fmt: skip
+            if self.me not in seg.members:
+                raise JobRefused(f"{self.me} is not among the members {seg.members}")
+            self.codec.key = key
+            if self.worker is None or self.worker.job != seg.job:
+                spec = JobSpec.from_mapping(doc["spec"])
+                self.worker = JobWorker(
+                    self.me, seg.job, spec, int(doc["shard"]), doc["shards"],
+                    str(doc["model_sha256"]), self.data_dir,
+                )  # fmt: skip
+        except (KeyError, TypeError, ValueError, SpecError, ShardError, DatasetError) as exc:
+            self.counters.add("job_refused")
+            log.error("%s refused the job: %s", self.me, exc)
+            self._send(msg.job, "nack", {"epoch": doc.get("epoch"), "why": f"refused: {exc}"})
+            return
+        if self.worker.restore(seg.start_round) and (
+            not seg.params_sha256 or self.worker.state_sha256(seg.start_round) == seg.params_sha256
+        ):
+            self._start(seg)
+        else:
+            self.awaiting = seg  # the coordinator sends the checkpoint's parameters next
+
+    def _on_model(self, msg: ControlMessage) -> None:
+        seg, worker = self.awaiting, self.worker
+        if seg is None or worker is None or msg.job != seg.job or msg.round != seg.start_round:
+            self.counters.add("model_unexpected")
+            return
+        numel = worker.numel
+        if len(msg.blob) != numel * 4:
+            raise FrameError(
+                FrameReason.SHAPE_MISMATCH,
+                f"model of {len(msg.blob)} bytes for {numel} parameters",
+            )
+        params = torch.frombuffer(bytearray(msg.blob), dtype=torch.float32)
+        if seg.params_sha256 and flat_sha256(params) != seg.params_sha256:
+            self.counters.add("model_bad_sha256")
+            log.error("%s: checkpoint model does not match the manifest's sha256", self.me)
+            return
+        worker.load(seg.start_round, params)
+        self.awaiting = None
+        self._start(seg)
+
+    # -- segments ---------------------------------------------------------------
+
+    def _start(self, seg: Segment) -> None:
+        assert self.link is not None and self.worker is not None
+        halt = threading.Event()
+        worker, link = self.worker, self.link
+
+        def on_round(r: int, row: dict[str, Any]) -> None:
+            if self.me == seg.head:
+                params = worker.trainer.params
+                doc = {"round": r + 1, "sha256": flat_sha256(params), "epoch": seg.epoch}
+                self._send(seg.job, "model", doc, flat_bytes(params), round=r + 1)
+            if self.me == seg.head or "accuracy" in row:
+                metrics = {k: v for k, v in row.items() if isinstance(v, int | float | str)}
+                if "accuracy" in row:
+                    metrics["sha256"] = flat_sha256(worker.trainer.params)
+                metrics["epoch"] = seg.epoch
+                [frame] = self.codec.encode("metrics", seg.job, topics.COORDINATOR, metrics)
+                link.publish(topics.metrics(seg.job, self.me), frame, Deadline.after(SEND_S))
+
+        def body() -> None:
+            try:
+                result = worker.run(seg, link.endpoint(seg.job), self.codec.key or b"",
+                                    self.counters, halt, on_round)  # fmt: skip
+                result["epoch"] = seg.epoch
+                result["counters"] = self.counters.snapshot()
+                self._send(seg.job, "bye", result)
+            except CollectiveError as exc:
+                log.warning("%s: segment %d stopped at round %d: %s",
+                            self.me, seg.epoch, worker.committed, exc)  # fmt: skip
+                self._send(seg.job, "nack", {"epoch": seg.epoch, "committed": worker.committed,
+                                             "why": str(exc)})  # fmt: skip
+            except Exception as exc:  # a bug or a bad job: report it, keep the daemon up
+                log.exception("%s: segment %d failed", self.me, seg.epoch)
+                self._send(seg.job, "nack", {"epoch": seg.epoch, "committed": worker.committed,
+                                             "why": f"error: {exc}"})  # fmt: skip
+
+        thread = threading.Thread(target=body, name=f"{self.me}-e{seg.epoch}", daemon=True)
+        self.running = _Running(seg, thread, halt)
+        self._send(seg.job, "ack", {"epoch": seg.epoch, "start_round": seg.start_round})
+        log.info("%s: epoch %d, ring %s, from round %d", self.me, seg.epoch,
+                 seg.members, seg.start_round)  # fmt: skip
+        thread.start()
+
+    def _halt(self, why: str) -> None:
+        run = self.running
+        if run is not None and run.thread.is_alive() and not run.halt.is_set():
+            log.info("%s: halting epoch %d: %s", self.me, run.seg.epoch, why)
+            run.halt.set()
+            if self.link is not None:
+                self.link.interrupt(run.seg.channel_job)
+
+    def _join(self) -> None:
+        run = self.running
+        if run is not None:
+            run.thread.join()
+            self.running = None
+
+    def _send(
+        self, job: str, kind: str, doc: dict[str, Any], blob: bytes = b"", *, round: int = 0
+    ) -> None:
+        if self.link is None:
+            return
+        try:
+            for frame in self.codec.encode(kind, job, topics.COORDINATOR, doc, blob, round=round):
+                self.link.send_to(job, topics.COORDINATOR, frame, Deadline.after(SEND_S))
+        except TransportError as exc:
+            self.counters.add("send_failed")
+            log.warning("%s could not send %s to the coordinator: %s", self.me, kind, exc)
+
+
+def _step_time(n: int = 3) -> float:
+    """Seconds for a small fixed training-like workload: the board's relative speed."""
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    start = time.perf_counter()
+    for _ in range(n):
+        (a @ a).sum()
+    return (time.perf_counter() - start) / n

@@ -1,0 +1,205 @@
+"""One agent's part of a job: its verified shard, its model, and runs of rounds.
+
+A job runs in *segments*: the coordinator's manifest names the members in ring
+order, the epoch, and the round to start from. A lost peer, a returning one, or
+a restarted coordinator ends a segment; the next one starts from the round the
+coordinator has a checkpoint of. The worker keeps its full state (parameters,
+velocity, error-feedback residual, batch order) at the start of the last few
+rounds, so when it holds that round it continues exactly as if nothing had
+happened; otherwise it loads the checkpoint's parameters, checked by sha256.
+
+The rounds themselves are `training.sync.run_agent`, the same code as
+`fedring simulate`, over a `PeerChannel` on the MQTT endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedring.collective.channel import CollectiveError, PeerChannel
+from fedring.collective.torus import build_ring
+from fedring.config import JobSpec
+from fedring.counters import Counters
+from fedring.training.datasets import load_dataset
+from fedring.training.exchange import Exchange
+from fedring.training.models import build_model, flat_sha256, param_count, params_sha256
+from fedring.training.sharding import ShardManifest, make_shards, shard_data, verify_shard
+from fedring.training.sync import AgentContext, run_agent
+from fedring.training.trainer import LocalTrainer
+from fedring.transport.base import Endpoint
+
+log = logging.getLogger(__name__)
+
+KEEP_SNAPSHOTS = 4
+
+
+class JobRefused(ValueError):
+    """The manifest asks for something this agent cannot verify or hold."""
+
+
+class Halted(CollectiveError):
+    """The coordinator halted the segment at a round boundary."""
+
+
+@dataclass
+class Segment:
+    """One manifest: who is in the ring, from which round, under which epoch."""
+
+    job: str
+    epoch: int
+    members: list[str]
+    start_round: int
+    params_sha256: str  # expected state at start_round
+    head: str  # uploads the checkpoint every round
+
+    @property
+    def channel_job(self) -> str:
+        return f"{self.job}.e{self.epoch}"
+
+
+@dataclass
+class _State:
+    params: torch.Tensor
+    velocity: torch.Tensor
+    residual: torch.Tensor | None
+    rng: torch.Tensor
+    order: torch.Tensor
+    pos: int
+    samples: int
+
+
+class JobWorker:
+    """The agent's state for one job, kept across segments."""
+
+    def __init__(
+        self, me: str, job: str, spec: JobSpec, shard: int, manifest: dict[str, Any],
+        model_sha256: str, data_dir: Path | None = None,
+    ) -> None:  # fmt: skip
+        self.me, self.job, self.spec, self.shard = me, job, spec, shard
+        dataset_spec = spec.dataset
+        if dataset_spec.startswith("npz:") and data_dir is not None:
+            dataset_spec = f"npz:{data_dir / dataset_spec[4:]}"
+        dataset = load_dataset(dataset_spec, spec.seed)
+        shards_manifest = ShardManifest.from_dict(manifest)
+        if shards_manifest.n_agents != spec.agents:
+            raise JobRefused(f"manifest has {shards_manifest.n_agents} shards, job {spec.agents}")
+        index = make_shards(dataset.y_train.numpy(), spec.agents, spec.sharding, spec.seed)[shard]
+        x, y = shard_data(dataset, index)
+        verify_shard(shards_manifest, shard, x, y)
+        model = build_model(spec.model, dataset.feature_shape, dataset.num_classes, spec.seed)
+        if params_sha256(model) != model_sha256:
+            raise JobRefused(
+                f"initial model sha256 {params_sha256(model)[:12]}... != manifest "
+                f"{model_sha256[:12]}...: different torch or model code than the coordinator"
+            )
+        self.trainer = LocalTrainer(
+            model, x, y, batch_size=spec.batch_size, momentum=spec.momentum, seed=spec.seed,
+            rank=shard,
+        )  # fmt: skip
+        self.x_test, self.y_test = dataset.x_test, dataset.y_test
+        self.numel = param_count(model)
+        self.exchange: Exchange | None = None
+        self.states: OrderedDict[int, _State] = OrderedDict()
+        self.committed = 0  # rounds completed in the current state
+        self._keep(0)
+
+    # -- state ------------------------------------------------------------------
+
+    def _residual(self) -> torch.Tensor | None:
+        ex = self.exchange
+        return ex.ef.residual if ex is not None and ex.ef is not None else None
+
+    def _keep(self, r: int) -> None:
+        t = self.trainer
+        res = self._residual()
+        self.states[r] = _State(
+            t.params, t.velocity.clone(), None if res is None else res.clone(),
+            t._gen.get_state(), t._order.clone(), t._pos, t.samples_seen,
+        )  # fmt: skip
+        self.states.move_to_end(r)
+        while len(self.states) > KEEP_SNAPSHOTS:
+            self.states.popitem(last=False)
+
+    def state_sha256(self, r: int) -> str | None:
+        st = self.states.get(r)
+        return None if st is None else flat_sha256(st.params)
+
+    def restore(self, r: int) -> bool:
+        """Return to the state at the start of round `r`, if still held."""
+        st = self.states.get(r)
+        if st is None:
+            return False
+        t = self.trainer
+        t.set_params(st.params)
+        t.velocity.copy_(st.velocity)
+        res = self._residual()
+        if res is not None:
+            if st.residual is not None:
+                res.copy_(st.residual)
+            else:
+                res.zero_()
+        t._gen.set_state(st.rng)
+        t._order, t._pos, t.samples_seen = st.order.clone(), st.pos, st.samples
+        self.committed = r
+        return True
+
+    def load(self, r: int, params: torch.Tensor) -> None:
+        """Take the checkpoint's parameters for round `r` (velocity kept at zero)."""
+        self.trainer.set_params(params)
+        self.trainer.velocity.zero_()
+        self.states.clear()
+        self.committed = r
+        self._keep(r)
+
+    # -- running ----------------------------------------------------------------
+
+    def run(
+        self,
+        seg: Segment,
+        endpoint: Endpoint,
+        key: bytes,
+        counters: Counters,
+        halt: threading.Event,
+        on_round: Callable[[int, dict[str, Any]], None],
+    ) -> dict[str, Any]:
+        """Run rounds from `seg.start_round` to the end; raise `CollectiveError` if cut."""
+        spec = self.spec.replace(agents=len(seg.members))
+        channel = PeerChannel(endpoint, seg.channel_job, key=key, counters=counters)
+        ring = build_ring(channel, tuple(seg.members), spec.topology, spec.timeout_s)
+        if self.exchange is None:
+            self.exchange = Exchange.build(ring, spec, self.numel)
+            if self.committed == 0 and self.exchange.ef is not None:
+                self._keep(0)  # the round-0 state now includes the (zero) residual
+        else:
+            self.exchange.ring, self.exchange.spec = ring, spec
+
+        def before(r: int) -> None:
+            if halt.is_set():
+                raise Halted(f"{self.me}: halted before round {r}")
+            self._keep(r)
+
+        def after(r: int, row: dict[str, Any]) -> None:
+            self.committed = r + 1
+            on_round(r, row)
+
+        ctx = AgentContext(
+            spec, self.trainer, self.exchange, self.x_test, self.y_test,
+            1.0 / len(seg.members), after, before, seg.start_round,
+        )  # fmt: skip
+        result = run_agent(ctx)
+        last = result.evals[-1] if result.evals else {}
+        return {
+            "rounds": self.committed,
+            "accuracy": last.get("accuracy", 0.0),
+            "test_loss": last.get("test_loss", 0.0),
+            "sha256": params_sha256(self.trainer.model),
+            "rollbacks": result.rollbacks,
+        }
