@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from fedring import __version__
+from fedring import __version__, cli_mqtt
 
 app = typer.Typer(
     help="Train one PyTorch model across edge boards: group-top-k + error feedback, "
@@ -36,6 +36,8 @@ bench_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(bench_app, name="bench")
+app.command("agent")(cli_mqtt.agent_cmd)
+app.add_typer(cli_mqtt.coordinator_app, name="coordinator")
 err = Console(stderr=True)
 
 

@@ -135,7 +135,7 @@ class AgentDaemon:
         self._halt("a new manifest arrived")
         self._join()
         try:
-            key = bytes.fromhex(str(doc["key"]))
+            self.codec.key = bytes.fromhex(str(doc["key"]))  # so that a refusal is signed
             seg = Segment(
                 job=topics.check_id("job", str(doc["job"])), epoch=int(doc["epoch"]),
                 members=[str(m) for m in doc["members"]], start_round=int(doc["start_round"]),
@@ -143,7 +143,6 @@ class AgentDaemon:
             )  # fmt: skip
             if self.me not in seg.members:
                 raise JobRefused(f"{self.me} is not among the members {seg.members}")
-            self.codec.key = key
             if self.worker is None or self.worker.job != seg.job:
                 spec = JobSpec.from_mapping(doc["spec"])
                 self.worker = JobWorker(

@@ -69,6 +69,7 @@ class Mosquitto:
         lines = [
             f"listener {self.port} 127.0.0.1",
             "per_listener_settings false",
+            "set_tcp_nodelay true",
             f"allow_anonymous {'false' if self.users else 'true'}",
             "max_inflight_messages 100",
             "max_queued_messages 10000",

@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import random
+import socket
 import threading
 import time
 from collections.abc import Collection
@@ -233,6 +234,9 @@ class MqttLink:
             self._connack = (False, str(rc))
             self._connack_ready.set()
             return
+        sock = client.socket()
+        if isinstance(sock, socket.socket):  # small QoS 1 frames: Nagle would add ~40 ms each
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         subs = [topics.my_inboxes(self.me), f"{topics.ROOT}/agents/+/status", topics.probe(self.me)]
         if self._listen_hellos:
             subs += [f"{topics.ROOT}/agents/+/hello", f"{topics.ROOT}/jobs/+/metrics/+"]

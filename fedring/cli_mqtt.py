@@ -1,0 +1,170 @@
+"""`fedring agent` and `fedring coordinator run`: the deployed product, over MQTT.
+
+    fedring agent --broker mqtt://broker.lan:1883 --id pi-01 --username pi-01 \\
+        --password-file /etc/fedring/password
+    fedring coordinator run examples/digits.toml --broker mqtt://broker.lan:1883 --out runs/d1
+
+Passwords come from ``--password-file`` or ``$FEDRING_MQTT_PASSWORD`` (a flag
+would show in ``ps``). Exit codes: 0 done, 1 failed run, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+
+err = Console(stderr=True)
+coordinator_app = typer.Typer(
+    help="Drive a training job over an MQTT broker.", no_args_is_help=True
+)
+
+BROKER_HELP = "Broker URL: mqtt://HOST:PORT, or mqtts://HOST:PORT for TLS."
+
+
+def broker_config(
+    url: str, username: str | None, password_file: Path | None, ca: Path | None,
+    cert: Path | None, key: Path | None, keepalive: int,
+) -> Any:  # fmt: skip
+    from fedring.transport.mqtt import BrokerConfig
+
+    password = os.environ.get("FEDRING_MQTT_PASSWORD")
+    if password_file is not None:
+        try:
+            password = password_file.read_text().strip()
+        except OSError as exc:
+            raise typer.BadParameter(
+                f"cannot read {password_file}: {exc}", param_hint="--password-file"
+            ) from None
+    if ca is not None and not url.startswith("mqtts://"):
+        raise typer.BadParameter("--ca needs an mqtts:// broker URL", param_hint="--ca")
+    try:
+        return BrokerConfig.parse(
+            url, username=username, password=password, ca=str(ca) if ca else None,
+            cert=str(cert) if cert else None, key=str(key) if key else None, keepalive=keepalive,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--broker") from None
+
+
+_USER = typer.Option(None, "--username", help="Broker user name (one per agent).")
+_PWFILE = typer.Option(
+    None, "--password-file", help="File holding the broker password (or $FEDRING_MQTT_PASSWORD)."
+)
+_CA = typer.Option(None, "--ca", help="CA bundle that signed the broker's certificate (TLS).")
+_CERT = typer.Option(None, "--cert", help="Client certificate (TLS client auth).")
+_KEY = typer.Option(None, "--key", help="Client private key (TLS client auth).")
+_KEEPALIVE = typer.Option(
+    5, "--keepalive", min=2, max=600, help="MQTT keep-alive, seconds; loss is seen within 1.5x."
+)
+
+
+def agent_cmd(
+    broker: str = typer.Option(..., "--broker", help=BROKER_HELP),
+    agent_id: str = typer.Option(..., "--id", help="This board's id (letters, digits, _ . -)."),
+    data_dir: Path | None = typer.Option(None, "--data-dir", help="Where npz:PATH datasets live."),
+    threads: int = typer.Option(1, "--threads", min=1, help="torch threads for training."),
+    username: str | None = _USER,
+    password_file: Path | None = _PWFILE,
+    ca: Path | None = _CA,
+    cert: Path | None = _CERT,
+    key: Path | None = _KEY,
+    keepalive: int = _KEEPALIVE,
+) -> None:
+    """Run the agent daemon: enrol with the broker, train when a coordinator calls.
+
+    Stops cleanly on SIGTERM or Ctrl-C: halts any round, publishes "offline", exits 0.
+    """
+    from fedring.edge_agent.daemon import AgentDaemon
+    from fedring.transport.mqtt import BrokerRefused, BrokerUnreachable
+    from fedring.transport.topics import TopicError
+
+    logging.getLogger().setLevel(min(logging.getLogger().level, logging.INFO))
+    cfg = broker_config(broker, username, password_file, ca, cert, key, keepalive)
+    try:
+        daemon = AgentDaemon(cfg, agent_id, data_dir=data_dir, threads=threads)
+    except TopicError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--id") from None
+
+    def stop(signum: int, _frame: Any) -> None:
+        daemon.stop.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        code = daemon.run()
+    except (BrokerUnreachable, BrokerRefused) as exc:
+        err.print(f"[red]error: {exc}[/red]")
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
+
+
+@coordinator_app.command("run")
+def coordinator_run(
+    job_file: Path = typer.Argument(..., help="TOML job file (see examples/digits.toml)."),
+    broker: str = typer.Option(..., "--broker", help=BROKER_HELP),
+    out: Path = typer.Option(Path("runs/latest"), "--out", help="Checkpoint and summary here."),
+    resume: bool = typer.Option(False, "--resume", help="Carry on from OUT/checkpoint.pt."),
+    min_agents: int = typer.Option(
+        0, "--min-agents", min=0, help="Start with this many [job's agents]."
+    ),
+    enrol_timeout: float = typer.Option(
+        120.0, "--enrol-timeout", min=1, help="Seconds to wait for agents."
+    ),
+    username: str | None = typer.Option("coordinator", "--username", help="Broker user name."),
+    password_file: Path | None = _PWFILE,
+    ca: Path | None = _CA,
+    cert: Path | None = _CERT,
+    key: Path | None = _KEY,
+    keepalive: int = _KEEPALIVE,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
+) -> None:
+    """Enrol agents, shard the data, run the rounds, checkpoint every round, report."""
+    from fedring.config import JobSpec
+    from fedring.coordinator.checkpoint import CheckpointError
+    from fedring.coordinator.service import Coordinator, CoordinatorError, Options
+    from fedring.transport.mqtt import BrokerRefused, BrokerUnreachable
+
+    cfg = broker_config(broker, username, password_file, ca, cert, key, keepalive)
+    try:
+        spec = JobSpec.from_toml(job_file)
+    except ValueError as exc:
+        err.print(f"[red]error: {exc}[/red]")
+        raise typer.Exit(2) from None
+    with Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
+        task = progress.add_task(
+            f"waiting for {min_agents or spec.agents} agents", total=spec.rounds
+        )
+
+        def tick(r: int, row: dict[str, Any]) -> None:
+            acc = row.get("accuracy")
+            text = f"loss {row.get('loss', 0.0):.3f}" + (f" acc {acc:.3f}" if acc else "")
+            progress.update(task, completed=r + 1, description=text)
+
+        opts = Options(out=out, min_agents=min_agents, enrol_timeout_s=enrol_timeout,
+                       resume=resume, on_round=tick)  # fmt: skip
+        try:
+            summary = Coordinator(spec, cfg, opts).run()
+        except CheckpointError as exc:
+            err.print(f"[red]error: {exc}[/red]")
+            raise typer.Exit(2) from None
+        except (CoordinatorError, BrokerUnreachable, BrokerRefused) as exc:
+            err.print(f"[red]run failed: {exc}[/red]")
+            raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(json.dumps(summary, sort_keys=True))
+    else:
+        err.print(
+            f"job {summary['job']}: accuracy {summary['final_accuracy']:.4f} after "
+            f"{summary['rounds']} rounds, {len(summary['members'])} agents, "
+            f"identical models: {summary['identical_models']}, "
+            f"re-formations: {summary['reformations']}; {out}/summary.json"
+        )

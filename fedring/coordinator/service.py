@@ -1,0 +1,392 @@
+"""`fedring coordinator run JOB.toml --broker URL`: drives one job over MQTT.
+
+1. Enrol: wait (with a deadline) until `min_agents` agents are online and have
+   said hello; order the ring by their measured bandwidth (fastest first).
+2. Plan: load the dataset, shard it, hash every shard and the initial model; the
+   job gets a fresh id and a random key.
+3. Segments: each member gets a manifest (members in ring order, its shard, the
+   spec, the key, the round to start from) and, after round 0, the checkpoint's
+   parameters. The head of the ring uploads its parameters after every round;
+   they are checkpointed atomically. Agents report metrics and, on evaluation
+   rounds, their model's sha256, which must agree.
+4. Failures: a member lost (last-will), a failed round (``nack``), a member that
+   comes back, or no progress for `stall_s` ends the segment: the survivors are
+   halted and a new epoch starts from the last checkpoint with the ring
+   re-formed from whoever holds a shard and is online.
+5. End: every member says ``bye`` with its model hash; the coordinator checks
+   they are identical, writes the final checkpoint and `summary.json`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedring.config import JobSpec
+from fedring.coordinator.checkpoint import Checkpoint
+from fedring.counters import Counters
+from fedring.sim.runner import plan
+from fedring.transport import topics
+from fedring.transport.base import Deadline, TransportError
+from fedring.transport.mqtt import BrokerConfig, Control, MqttLink
+from fedring.wire.control import ControlCodec, ControlMessage
+from fedring.wire.errors import FrameError, FrameReason
+
+log = logging.getLogger(__name__)
+SEND_S = 10.0
+
+
+class CoordinatorError(RuntimeError):
+    """The job could not run: too few agents, every agent lost, no progress."""
+
+
+@dataclass
+class Options:
+    out: Path
+    min_agents: int = 0  # 0: the job's `agents`
+    enrol_timeout_s: float = 120.0
+    ack_timeout_s: float = 60.0
+    halt_timeout_s: float = 10.0
+    stall_s: float = 0.0  # 0: 3 x the job's timeout_s
+    max_epochs: int = 50
+    resume: bool = False
+    on_round: Callable[[int, dict[str, Any]], None] | None = None
+
+
+@dataclass
+class _Epoch:
+    number: int
+    members: list[str]
+    start: int
+    acks: set[str] = field(default_factory=set)
+    done: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(self, spec: JobSpec, cfg: BrokerConfig, opts: Options) -> None:
+        self.spec, self.cfg, self.opts = spec, cfg, opts
+        self.counters = Counters()
+        self.codec = ControlCodec(topics.COORDINATOR, counters=self.counters)
+        self.link: MqttLink | None = None
+        self.hellos: dict[str, dict[str, Any]] = {}
+        self.ck: Checkpoint | None = None
+        self.hashes: dict[int, dict[str, str]] = {}
+        self.epochs = 0
+        self.last_row: dict[str, Any] = {}
+        self.refused: set[str] = set()  # agents that cannot take this job
+
+    # -- the job ------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        self.link = MqttLink(
+            self.cfg, topics.COORDINATOR, control_from=("*",), listen_hellos=True,
+            counters=self.counters,
+        ).connect()  # fmt: skip
+        try:
+            ck = self._resume() if self.opts.resume else self._enrol_and_plan()
+            self.ck = ck
+            self.codec.key = ck.key
+            self._publish_manifest("running")
+            members = self._members()
+            epoch = ck.epoch + 1 if self.opts.resume else 0
+            while True:
+                if not members:
+                    raise CoordinatorError("no agent holding a shard is online")
+                ep = _Epoch(epoch, members, ck.round)
+                if self._segment(ep):
+                    return self._finish(ep, time.perf_counter() - start)
+                self.epochs += 1
+                if self.epochs >= self.opts.max_epochs:
+                    raise CoordinatorError(f"gave up after {self.epochs} re-formations")
+                epoch += 1
+                members = self._members()
+        finally:
+            self.link.close("offline")
+
+    def _enrol_and_plan(self) -> Checkpoint:
+        want = self.opts.min_agents or self.spec.agents
+        deadline = Deadline.after(self.opts.enrol_timeout_s)
+        log.info("waiting for %d agents on %s", want, self.cfg.url)
+        while len(self._ready()) < want:
+            if deadline.expired:
+                raise CoordinatorError(
+                    f"only {len(self._ready())} of {want} agents enrolled within "
+                    f"{self.opts.enrol_timeout_s:g} s: {sorted(self._ready())}"
+                )
+            self._poll(0.2)
+        chosen = self._order(self._ready())[: self.spec.agents]
+        spec = self.spec.replace(agents=len(chosen))
+        p = plan(spec)
+        job = topics.check_id("job", f"{_slug(spec.dataset)}-{os.urandom(4).hex()}")
+        log.info("job %s: %d agents, ring %s", job, len(chosen), chosen)
+        return Checkpoint(
+            job=job, key=os.urandom(32), spec=spec.resolved(),
+            shards={a: i for i, a in enumerate(chosen)}, model_sha256=p.model_sha256,
+            shard_manifest=p.manifest.to_dict(), epoch=0, round=0, params=None,
+        )  # fmt: skip
+
+    def _resume(self) -> Checkpoint:
+        ck = Checkpoint.load(self.opts.out)
+        log.info("resuming job %s from round %d (epoch %d)", ck.job, ck.round, ck.epoch)
+        self.spec = JobSpec.from_mapping(ck.spec)
+        deadline = Deadline.after(self.opts.enrol_timeout_s)
+        while not deadline.expired and not set(ck.shards) <= self._ready():
+            self._poll(0.2)
+        return ck
+
+    def _ready(self) -> set[str]:
+        assert self.link is not None
+        return set(self.hellos) & set(self.link.peers())
+
+    def _order(self, agents: set[str]) -> list[str]:
+        return sorted(agents, key=lambda a: (-float(self.hellos[a].get("link_bps", 0.0)), a))
+
+    def _members(self) -> list[str]:
+        assert self.ck is not None
+        self._poll(0.0)
+        return self._order((self._ready() & set(self.ck.shards)) - self.refused)
+
+    # -- one segment --------------------------------------------------------------
+
+    def _segment(self, ep: _Epoch) -> bool:
+        """Run the ring of `ep.members` until done (True) or until it must re-form."""
+        ck = self.ck
+        assert ck is not None
+        log.info("epoch %d: ring %s from round %d", ep.number, ep.members, ep.start)
+        head = ep.members[0]
+        for agent in ep.members:
+            doc = {
+                "job": ck.job, "epoch": ep.number, "key": ck.key.hex(), "members": ep.members,
+                "head": head, "shard": ck.shards[agent], "spec": ck.spec,
+                "shards": ck.shard_manifest, "model_sha256": ck.model_sha256,
+                "start_round": ep.start, "params_sha256": ck.params_sha256,
+            }  # fmt: skip
+            self._send(agent, "manifest", doc, sign=False)
+            if ck.params is not None:
+                blob = ck.params.numpy().astype("<f4").tobytes()
+                self._send(agent, "model", {"round": ck.round}, blob, round=ck.round)
+        stall = self.opts.stall_s or 3 * self.spec.timeout_s
+        acks_by = Deadline.after(self.opts.ack_timeout_s)
+        progress = Deadline.after(stall)
+        while True:
+            if len(ep.done) == len(ep.members):
+                return True
+            if len(ep.acks) < len(ep.members) and acks_by.expired:
+                missing = sorted(set(ep.members) - ep.acks)
+                return self._reform(ep, f"no ack from {missing}")
+            if progress.expired:
+                self.counters.add("stalled")
+                return self._reform(ep, f"no progress for {stall:g} s")
+            item = self._next(0.5)
+            if item is None:
+                continue
+            why, moved = self._on_item(ep, item)
+            if moved:
+                progress = Deadline.after(stall)
+            if why:
+                return self._reform(ep, why)
+
+    def _on_item(self, ep: _Epoch, item: Control) -> tuple[str, bool]:
+        """(reason to re-form or "", whether the job moved forward)."""
+        assert self.ck is not None
+        if item.kind == "member" and item.event is not None:
+            who, kind = item.src, item.event.kind
+            if who in ep.members and kind in ("lost", "left"):
+                self.counters.add("agent_lost")
+                return f"{who} {kind}", False
+            if kind == "joined" and who in self.ck.shards and who not in ep.members:
+                return f"{who} came back", False
+            return "", False
+        msg = self._decode(item)
+        if msg is None or msg.job != self.ck.job:
+            return "", False
+        epoch = msg.doc.get("epoch")
+        if item.kind == "metrics":
+            return "", self._on_metrics(ep, msg)
+        if epoch != ep.number:
+            return "", False  # a late word from an earlier epoch
+        if msg.kind == "ack":
+            ep.acks.add(msg.src)
+        elif msg.kind == "nack":
+            self.counters.add("agent_nack")
+            if str(msg.doc.get("why", "")).startswith("refused"):
+                self.refused.add(msg.src)
+            return f"{msg.src} stopped: {msg.doc.get('why', '')}", False
+        elif msg.kind == "model" and msg.src == ep.members[0]:
+            self._checkpoint(ep, msg)
+            return "", True
+        elif msg.kind == "bye":
+            ep.done[msg.src] = msg.doc
+            return "", True
+        return "", False
+
+    def _on_metrics(self, ep: _Epoch, msg: ControlMessage) -> bool:
+        row = msg.doc
+        rnd = row.get("round")
+        if type(rnd) is not int:
+            return False
+        sha = row.get("sha256")
+        if isinstance(sha, str):
+            seen = self.hashes.setdefault(rnd, {})
+            seen[msg.src] = sha
+            if len(set(seen.values())) > 1 and self.spec.sync == "sync":
+                self.counters.add("hash_mismatch")
+                log.error("round %d: model hashes disagree: %s", rnd, seen)
+        if msg.src == ep.members[0]:
+            self.last_row = row
+            if self.opts.on_round is not None:
+                self.opts.on_round(rnd - 1, row)
+            return True
+        return False
+
+    def _checkpoint(self, ep: _Epoch, msg: ControlMessage) -> None:
+        assert self.ck is not None
+        numel = len(msg.blob) // 4
+        if len(msg.blob) != numel * 4 or numel == 0:
+            self.counters.add("frame_shape_mismatch")
+            return
+        params = torch.frombuffer(bytearray(msg.blob), dtype=torch.float32).clone()
+        self.ck.params, self.ck.round, self.ck.epoch = params, msg.round, ep.number
+        if self.ck.params_sha256 != msg.doc.get("sha256"):
+            self.counters.add("checkpoint_bad_sha256")
+            log.error("checkpoint of round %d from %s: sha256 mismatch", msg.round, msg.src)
+            return
+        self.ck.save(self.opts.out)
+
+    def _reform(self, ep: _Epoch, why: str) -> bool:
+        """Halt the survivors and wait until they stopped; the caller starts a new epoch."""
+        log.warning("epoch %d ends: %s; re-forming from round %d", ep.number, why,
+                    self.ck.round if self.ck else 0)  # fmt: skip
+        assert self.link is not None
+        for agent in ep.members:
+            if agent in self.link.peers():
+                self._send(agent, "bye", {"epoch": ep.number, "why": "halt"})
+        waiting = {a for a in ep.members if a in self.link.peers()} - set(ep.done)
+        deadline = Deadline.after(self.opts.halt_timeout_s)
+        while waiting and not deadline.expired:
+            item = self._next(0.2)
+            if item is None:
+                continue
+            if item.kind == "member" and item.event is not None:
+                if item.event.kind != "joined":
+                    waiting.discard(item.src)
+                continue
+            msg = self._decode(item)
+            if msg is None:
+                continue
+            if (
+                msg.kind == "model"
+                and msg.doc.get("epoch") == ep.number
+                and msg.src == ep.members[0]
+            ):
+                self._checkpoint(ep, msg)
+            if msg.kind in ("nack", "bye") and msg.doc.get("epoch") == ep.number:
+                waiting.discard(msg.src)
+        return False
+
+    # -- the end ------------------------------------------------------------------
+
+    def _finish(self, ep: _Epoch, wall: float) -> dict[str, Any]:
+        assert self.ck is not None and self.link is not None
+        for agent in ep.members:
+            self._send(agent, "bye", {"epoch": ep.number, "why": "done"})
+        hashes = sorted({str(d.get("sha256")) for d in ep.done.values()})
+        if len(hashes) > 1:
+            self.counters.add("hash_mismatch")
+        head = ep.done[ep.members[0]]
+        self._publish_manifest("done")
+        summary = {
+            "job": self.ck.job,
+            "final_accuracy": head.get("accuracy", 0.0),
+            "test_loss": head.get("test_loss", 0.0),
+            "rounds": head.get("rounds", 0),
+            "members": ep.members,
+            "model_hashes": hashes,
+            "identical_models": len(hashes) == 1,
+            "epochs": ep.number + 1,
+            "reformations": self.epochs,
+            "wall_seconds": wall,
+            "checkpoint": str(self.opts.out / "checkpoint.pt"),
+            "coordinator_counters": self.counters.snapshot(),
+            "agent_counters": {a: d.get("counters", {}) for a, d in ep.done.items()},
+            "bytes_received_by_coordinator": self.link.stats.bytes_received,
+        }
+        (self.opts.out / "summary.json").write_text(_json(summary))
+        return summary
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def _publish_manifest(self, state: str) -> None:
+        assert self.ck is not None and self.link is not None
+        doc = {"job": self.ck.job, "state": state, "round": self.ck.round,
+               "members": sorted(self.ck.shards), "model_sha256": self.ck.model_sha256}  # fmt: skip
+        [frame] = self.codec.encode("manifest", self.ck.job, "*", doc)
+        self.link.publish(topics.manifest(self.ck.job), frame, Deadline.after(SEND_S), retain=True)
+
+    def _send(
+        self, dst: str, kind: str, doc: dict[str, Any], blob: bytes = b"", *,
+        round: int = 0, sign: bool = True,
+    ) -> None:  # fmt: skip
+        assert self.ck is not None and self.link is not None
+        try:
+            for frame in self.codec.encode(kind, self.ck.job, dst, doc, blob, round=round,
+                                           sign=sign):  # fmt: skip
+                self.link.send_to(self.ck.job, dst, frame, Deadline.after(SEND_S))
+        except TransportError as exc:
+            self.counters.add("send_failed")
+            log.warning("could not send %s to %s: %s", kind, dst, exc)
+
+    def _next(self, timeout: float) -> Control | None:
+        assert self.link is not None
+        try:
+            item = self.link.control.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item.kind == "hello":
+            self._on_hello(item)
+        return item
+
+    def _poll(self, timeout: float) -> None:
+        """Take in hellos between segments (membership is read from presence)."""
+        item = self._next(timeout)
+        while item is not None:
+            item = self._next(0.0)
+
+    def _on_hello(self, item: Control) -> None:
+        if not item.data:
+            self.hellos.pop(item.src, None)  # an agent that left for good clears its hello
+            return
+        msg = ControlCodec(topics.COORDINATOR, counters=self.counters).decode(item.src, item.data)
+        if msg is None or msg.kind != "hello":
+            return
+        self.hellos[item.src] = msg.doc
+
+    def _decode(self, item: Control) -> ControlMessage | None:
+        if item.kind not in ("frame", "metrics"):
+            return None
+        try:
+            return self.codec.decode(item.src, item.data)
+        except FrameError as exc:  # pragma: no cover - decode already counts and logs
+            self.counters.add(f"frame_{FrameReason.MALFORMED.value}")
+            log.warning("refused a frame from %s: %s", item.src, exc)
+            return None
+
+
+def _slug(text: str) -> str:
+    keep = "".join(c if c.isalnum() else "-" for c in text.split(":")[0])
+    return keep[:24] or "job"
+
+
+def _json(doc: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
