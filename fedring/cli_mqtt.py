@@ -48,7 +48,7 @@ def broker_config(
         raise typer.BadParameter("--ca needs an mqtts:// broker URL", param_hint="--ca")
     try:
         return BrokerConfig.parse(
-            url, username=username, password=password, ca=str(ca) if ca else None,
+            url, username=username or None, password=password, ca=str(ca) if ca else None,
             cert=str(cert) if cert else None, key=str(key) if key else None, keepalive=keepalive,
         )  # fmt: skip
     except ValueError as exc:

@@ -82,6 +82,7 @@ class Coordinator:
         self.epochs = 0
         self.last_row: dict[str, Any] = {}
         self.refused: set[str] = set()  # agents that cannot take this job
+        self.events: list[dict[str, Any]] = []  # wall-clock times of re-formations
 
     # -- the job ------------------------------------------------------------------
 
@@ -261,12 +262,16 @@ class Coordinator:
             log.error("checkpoint of round %d from %s: sha256 mismatch", msg.round, msg.src)
             return
         self.ck.save(self.opts.out)
+        # The head waits for this before running two rounds past it: agents never
+        # get more than one round ahead of what a restarted coordinator can resume.
+        self._send(msg.src, "ack", {"epoch": ep.number, "round": msg.round})
 
     def _reform(self, ep: _Epoch, why: str) -> bool:
         """Halt the survivors and wait until they stopped; the caller starts a new epoch."""
         log.warning("epoch %d ends: %s; re-forming from round %d", ep.number, why,
                     self.ck.round if self.ck else 0)  # fmt: skip
         assert self.link is not None
+        self.events.append({"t": time.time(), "epoch": ep.number, "why": why})
         for agent in ep.members:
             if agent in self.link.peers():
                 self._send(agent, "bye", {"epoch": ep.number, "why": "halt"})
@@ -314,6 +319,8 @@ class Coordinator:
             "identical_models": len(hashes) == 1,
             "epochs": ep.number + 1,
             "reformations": self.epochs,
+            "events": self.events,
+            "agent_threads": {a: d.get("threads", 0) for a, d in ep.done.items()},
             "wall_seconds": wall,
             "checkpoint": str(self.opts.out / "checkpoint.pt"),
             "coordinator_counters": self.counters.snapshot(),

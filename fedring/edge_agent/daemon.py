@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from fedring.collective.channel import CollectiveError
+from fedring.collective.channel import CollectiveError, CollectiveTimeout
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
-from fedring.edge_agent.worker import JobRefused, JobWorker, Segment
+from fedring.edge_agent.worker import Halted, JobRefused, JobWorker, Segment
 from fedring.training.datasets import DatasetError
 from fedring.training.models import flat_bytes, flat_sha256
 from fedring.training.sharding import ShardError
@@ -46,6 +46,24 @@ class _Running:
     seg: Segment
     thread: threading.Thread
     halt: threading.Event = field(default_factory=threading.Event)
+    acked: int = 0  # the coordinator has saved the state at the start of this round
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def gate(self, r: int, patience: float) -> None:
+        """The head may start round r once round r-1's state is checkpointed."""
+        deadline = Deadline.after(patience)
+        with self.cond:
+            while self.acked < r - 1 and not self.halt.is_set():
+                if deadline.expired:
+                    raise CollectiveTimeout(f"no checkpoint ack for round {r - 1}")
+                self.cond.wait(min(0.5, deadline.remaining()))
+        if self.halt.is_set():
+            raise Halted(f"halted before round {r}")
+
+    def ack(self, r: int) -> None:
+        with self.cond:
+            self.acked = max(self.acked, r)
+            self.cond.notify_all()
 
 
 class AgentDaemon:
@@ -121,6 +139,10 @@ class AgentDaemon:
             self._on_manifest(msg)
         elif msg.kind == "model":
             self._on_model(msg)
+        elif msg.kind == "ack":
+            run = self.running
+            if run is not None and msg.doc.get("epoch") == run.seg.epoch:
+                run.ack(int(msg.doc.get("round", 0)))
         elif msg.kind == "bye":
             epoch = msg.doc.get("epoch")
             why = msg.doc.get("why", "")
@@ -185,8 +207,11 @@ class AgentDaemon:
 
     def _start(self, seg: Segment) -> None:
         assert self.link is not None and self.worker is not None
-        halt = threading.Event()
         worker, link = self.worker, self.link
+        run = _Running(seg, threading.Thread(), acked=seg.start_round)
+        halt = run.halt
+        patience = 3 * worker.spec.timeout_s
+        gate = (lambda r: run.gate(r, patience)) if self.me == seg.head else None
 
         def on_round(r: int, row: dict[str, Any]) -> None:
             if self.me == seg.head:
@@ -204,9 +229,10 @@ class AgentDaemon:
         def body() -> None:
             try:
                 result = worker.run(seg, link.endpoint(seg.job), self.codec.key or b"",
-                                    self.counters, halt, on_round)  # fmt: skip
+                                    self.counters, halt, on_round, gate)  # fmt: skip
                 result["epoch"] = seg.epoch
                 result["counters"] = self.counters.snapshot()
+                result["threads"] = threading.active_count()
                 self._send(seg.job, "bye", result)
             except CollectiveError as exc:
                 log.warning("%s: segment %d stopped at round %d: %s",
@@ -218,18 +244,19 @@ class AgentDaemon:
                 self._send(seg.job, "nack", {"epoch": seg.epoch, "committed": worker.committed,
                                              "why": f"error: {exc}"})  # fmt: skip
 
-        thread = threading.Thread(target=body, name=f"{self.me}-e{seg.epoch}", daemon=True)
-        self.running = _Running(seg, thread, halt)
+        run.thread = threading.Thread(target=body, name=f"{self.me}-e{seg.epoch}", daemon=True)
+        self.running = run
         self._send(seg.job, "ack", {"epoch": seg.epoch, "start_round": seg.start_round})
         log.info("%s: epoch %d, ring %s, from round %d", self.me, seg.epoch,
                  seg.members, seg.start_round)  # fmt: skip
-        thread.start()
+        run.thread.start()
 
     def _halt(self, why: str) -> None:
         run = self.running
         if run is not None and run.thread.is_alive() and not run.halt.is_set():
             log.info("%s: halting epoch %d: %s", self.me, run.seg.epoch, why)
             run.halt.set()
+            run.ack(-1)  # wake the gate
             if self.link is not None:
                 self.link.interrupt(run.seg.channel_job)
 

@@ -169,6 +169,7 @@ class JobWorker:
         counters: Counters,
         halt: threading.Event,
         on_round: Callable[[int, dict[str, Any]], None],
+        gate: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
         """Run rounds from `seg.start_round` to the end; raise `CollectiveError` if cut."""
         spec = self.spec.replace(agents=len(seg.members))
@@ -182,6 +183,8 @@ class JobWorker:
             self.exchange.ring, self.exchange.spec = ring, spec
 
         def before(r: int) -> None:
+            if gate is not None:
+                gate(r)
             if halt.is_set():
                 raise Halted(f"{self.me}: halted before round {r}")
             self._keep(r)

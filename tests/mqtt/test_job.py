@@ -1,0 +1,149 @@
+"""Four agent daemons and a coordinator train digits over a real Mosquitto.
+
+The same daemons serve every job in this module, one after another, and must
+end the module with as many threads as they had after the first job.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import msgpack
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from fedring.config import JobSpec
+from fedring.coordinator.checkpoint import Checkpoint
+from fedring.sim.runner import simulate
+from fedring.transport.mosquitto import Mosquitto
+from tests.mqtt.conftest import Fleet, coordinator, finish, job_file, wait_for
+
+THREADS: list[dict[str, int]] = []  # threads per agent at the end of each job
+
+
+def _threads(summary: dict) -> None:
+    THREADS.append(dict(summary["agent_threads"]))
+
+
+def _fault_free_hash(job: Path) -> str:
+    [digest] = simulate(JobSpec.from_toml(job))["model_hashes"]
+    return digest
+
+
+def _checkpoint_round(out: Path) -> int:
+    path = out / "checkpoint.pt"
+    return Checkpoint.load(out).round if path.exists() else -1
+
+
+def test_four_agents_reach_95_percent_with_the_simulator_hash(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    job = job_file(tmp_path)
+    summary = finish(coordinator(broker.url, job, tmp_path / "run"))
+    assert summary["final_accuracy"] >= 0.95
+    assert summary["identical_models"] and summary["reformations"] == 0
+    assert summary["model_hashes"] == [_fault_free_hash(job)]
+    assert (tmp_path / "run" / "summary.json").exists()
+    _threads(summary)
+
+
+def test_garbage_in_an_inbox_is_counted_and_the_job_finishes(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    job = job_file(tmp_path, rounds=300, target=0.0)
+    frames: list[tuple[str, bytes]] = []
+    spy = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="spy")
+    spy.on_message = lambda _c, _u, m: frames.append((m.topic, bytes(m.payload)))
+    spy.connect("127.0.0.1", broker.port)
+    spy.subscribe("fedring/v1/jobs/+/to/a1/a0", qos=1)
+    spy.loop_start()
+    try:
+        proc = coordinator(broker.url, job, tmp_path / "run")
+        wait_for(lambda: len(frames) > 5, 60, "a ring frame from a0 to a1")
+        topic, valid = frames[-1]
+        for payload in (b"\xc1" * 64, msgpack.packb({"v": 1, "hello": "world"}), valid):
+            subprocess.run(
+                ["mosquitto_pub", "-p", str(broker.port), "-q", "1", "-t", topic, "-s"],
+                input=payload, check=True, timeout=10,
+            )  # fmt: skip
+        summary = finish(proc)
+    finally:
+        spy.loop_stop()
+        spy.disconnect()
+    counters = summary["agent_counters"]["a1"]
+    assert counters.get("frame_malformed", 0) >= 1, counters  # random bytes
+    assert counters.get("frame_unknown_field", 0) >= 1, counters  # msgpack, wrong fields
+    assert counters.get("duplicate", 0) >= 1, counters  # the replayed frame
+    assert summary["identical_models"] and summary["rounds"] == 300
+    assert "refused a frame" in fleet.log("a1")
+    _threads(summary)
+
+
+def test_broker_restart_mid_run_loses_nothing(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    job = job_file(tmp_path, rounds=300, target=0.0)
+    out = tmp_path / "run"
+    proc = coordinator(broker.url, job, out)
+    wait_for(lambda: _checkpoint_round(out) >= 30, 90, "round 30")
+    broker.restart()
+    summary = finish(proc)
+    assert summary["reformations"] == 0, summary["events"]
+    assert summary["model_hashes"] == [_fault_free_hash(job)]  # nothing lost or applied twice
+    assert summary["coordinator_counters"].get("mqtt_reconnect", 0) >= 1
+    _threads(summary)
+
+
+def test_kill_9_an_agent_then_it_rejoins(broker: Mosquitto, fleet: Fleet, tmp_path: Path) -> None:
+    job = job_file(tmp_path, rounds=300, target=0.0)
+    out = tmp_path / "run"
+    proc = coordinator(broker.url, job, out)
+    wait_for(lambda: _checkpoint_round(out) >= 30, 90, "round 30")
+    killed_at = time.time()
+    fleet.kill("a2", signal.SIGKILL)
+    wait_for(lambda: _checkpoint_round(out) >= 60, 90, "round 60 without a2")
+    fleet.start("a2")
+    summary = finish(proc)
+    lost = [e for e in summary["events"] if e["why"].startswith("a2 lost")]
+    assert lost, summary["events"]
+    assert lost[0]["t"] - killed_at <= 1.5 * 5  # 1.5 x keep-alive
+    assert any(e["why"] == "a2 came back" for e in summary["events"]), summary["events"]
+    assert "a2" in summary["members"] and summary["rounds"] == 300
+    assert summary["identical_models"]
+    assert summary["final_accuracy"] >= 0.95
+
+
+def test_coordinator_killed_and_resumed_loses_at_most_one_round(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    job = job_file(tmp_path, rounds=300, target=0.0)
+    out = tmp_path / "run"
+    proc = coordinator(broker.url, job, out)
+    wait_for(lambda: _checkpoint_round(out) >= 40, 90, "round 40")
+    before = fleet.log("a0").count("stopped at round")
+    proc.kill()
+    proc.wait(10)
+    saved = _checkpoint_round(out)
+    wait_for(lambda: fleet.log("a0").count("stopped at round") > before, 30, "agents to halt")
+    summary = finish(coordinator(broker.url, job, out, "--resume"))
+    stopped = [int(line.rsplit("at round ", 1)[1].split(":")[0])
+               for line in fleet.log("a0").splitlines() if "stopped at round" in line]  # fmt: skip
+    assert stopped and stopped[-1] - saved <= 1  # at most one round redone
+    assert summary["rounds"] == 300 and summary["identical_models"]
+    assert summary["model_hashes"] == [_fault_free_hash(job)]  # states restored exactly
+    _threads(summary)
+
+
+def test_daemons_keep_their_thread_count_and_stop_cleanly(fleet: Fleet) -> None:
+    if len(THREADS) < 2:
+        pytest.skip("needs the jobs above in the same session")
+    first, last = THREADS[0], THREADS[-1]
+    for agent, count in last.items():
+        if agent in first:
+            assert count <= first[agent], (first, last)
+    codes = fleet.stop()
+    assert set(codes.values()) == {0}, codes
