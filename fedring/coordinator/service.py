@@ -262,8 +262,8 @@ class Coordinator:
             log.error("checkpoint of round %d from %s: sha256 mismatch", msg.round, msg.src)
             return
         self.ck.save(self.opts.out)
-        # The head waits for this before running two rounds past it: agents never
-        # get more than one round ahead of what a restarted coordinator can resume.
+        # The head waits for this before starting the round: agents never get more
+        # than one round ahead of what a restarted coordinator can resume from.
         self._send(msg.src, "ack", {"epoch": ep.number, "round": msg.round})
 
     def _reform(self, ep: _Epoch, why: str) -> bool:

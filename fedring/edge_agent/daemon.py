@@ -50,12 +50,13 @@ class _Running:
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def gate(self, r: int, patience: float) -> None:
-        """The head may start round r once round r-1's state is checkpointed."""
+        """The head starts round r once the state at its start is checkpointed, so
+        a coordinator restarted from its checkpoint redoes at most one round."""
         deadline = Deadline.after(patience)
         with self.cond:
-            while self.acked < r - 1 and not self.halt.is_set():
+            while self.acked < r and not self.halt.is_set():
                 if deadline.expired:
-                    raise CollectiveTimeout(f"no checkpoint ack for round {r - 1}")
+                    raise CollectiveTimeout(f"no checkpoint ack for round {r}")
                 self.cond.wait(min(0.5, deadline.remaining()))
         if self.halt.is_set():
             raise Halted(f"halted before round {r}")

@@ -80,6 +80,8 @@ class Mosquitto:
             "log_type warning",
             "log_type notice",
         ]
+        if os.geteuid() == 0:  # as root it would drop to user "mosquitto" and lose its files
+            lines.append("user root")
         if self.persistence:
             lines += [
                 "persistence true",
