@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup broker demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,14 @@ lint: setup
 	$(BIN)/ruff check fedring tests bench examples
 	$(BIN)/mypy fedring
 
-test: lint
+# The MQTT tests start a real Mosquitto on loopback; install it when we can.
+broker:
+	@command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || \
+	  { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients; } || \
+	  echo "note: mosquitto is not installed; the MQTT tests will be skipped (apt-get install mosquitto mosquitto-clients)"
+
+test: lint broker
 	$(BIN)/pytest -q
 
 bench: setup

@@ -1,0 +1,120 @@
+"""Passwords and the example ACL on a real Mosquitto: the broker enforces who may do what."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from fedring.transport.base import Deadline
+from fedring.transport.mosquitto import Mosquitto
+from fedring.transport.mqtt import BrokerConfig, BrokerRefused, MqttLink
+from tests.mqtt.conftest import MISSING
+
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING or "mosquitto present")
+
+ACL = Path(__file__).resolve().parents[2] / "examples" / "mosquitto.acl"
+USERS = {"coordinator": "pw-c", "a1": "pw-1", "a2": "pw-2"}
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
+    with Mosquitto(users=USERS, acl=ACL, workdir=tmp_path_factory.mktemp("acl")) as b:
+        yield b
+
+
+class Raw:
+    """A bare paho client, to see the broker's answers (SUBACK codes, deliveries)."""
+
+    def __init__(self, port: int, user: str) -> None:
+        self.got: list[str] = []
+        self.suback: list[int] = []
+        self._subbed = threading.Event()
+        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"raw-{user}")
+        self.c.username_pw_set(user, USERS[user])
+        self.c.on_message = lambda _c, _u, m: self.got.append(m.topic)
+        self.c.on_subscribe = self._on_subscribe
+        self.c.connect("127.0.0.1", port)
+        self.c.loop_start()
+
+    def _on_subscribe(self, _c, _u, _mid, codes, _p) -> None:  # type: ignore[no-untyped-def]
+        self.suback = [c.value for c in codes]
+        self._subbed.set()
+
+    def subscribe(self, topic: str) -> list[int]:
+        self._subbed.clear()
+        self.c.subscribe(topic, qos=1)
+        assert self._subbed.wait(5)
+        return self.suback
+
+    def publish(self, topic: str) -> None:
+        self.c.publish(topic, b"x", qos=1).wait_for_publish(5)
+
+    def close(self) -> None:
+        self.c.loop_stop()
+        self.c.disconnect()
+
+
+def _cfg(b: Mosquitto, user: str | None) -> BrokerConfig:
+    return BrokerConfig.parse(
+        b.url, username=user, password=USERS.get(user or ""), connect_timeout_s=5
+    )
+
+
+def test_anonymous_and_wrong_password_are_refused(secured: Mosquitto) -> None:
+    with pytest.raises(BrokerRefused, match="anonymously"):
+        MqttLink(_cfg(secured, None), "a9").connect()
+    bad = BrokerConfig.parse(secured.url, username="a1", password="wrong", connect_timeout_s=5)
+    with pytest.raises(BrokerRefused, match="'a1'"):
+        MqttLink(bad, "a1").connect()
+
+
+def test_agent_reads_only_its_inbox_and_cannot_pose_as_the_coordinator(
+    secured: Mosquitto,
+) -> None:
+    a1, a2 = Raw(secured.port, "a1"), Raw(secured.port, "a2")
+    coord = Raw(secured.port, "coordinator")
+    try:
+        assert a2.subscribe("fedring/v1/jobs/+/to/a2/+") == [1]  # its own inbox
+        assert coord.subscribe("fedring/v1/#") == [1]
+        # Mosquitto grants a 3.1.1 subscription and enforces the ACL on delivery.
+        a1.subscribe("fedring/v1/jobs/+/to/a2/+")
+        coord.publish("fedring/v1/jobs/j/to/a2/coordinator")
+        a1.publish("fedring/v1/jobs/j/to/a2/a1")  # allowed: its own sender level
+        a1.publish("fedring/v1/jobs/j/to/a2/coordinator")  # posing as the coordinator
+        a1.publish("fedring/v1/jobs/j/manifest")  # the coordinator's manifest
+        a1.publish("fedring/v1/agents/a2/status")  # another agent's presence
+        deadline = Deadline.after(5)
+        while "fedring/v1/jobs/j/to/a2/a1" not in a2.got and not deadline.expired:
+            threading.Event().wait(0.05)
+        threading.Event().wait(0.5)  # give any wrongly allowed message time to arrive
+        assert a2.got == ["fedring/v1/jobs/j/to/a2/coordinator", "fedring/v1/jobs/j/to/a2/a1"]
+        assert a1.got == []  # nothing from a2's inbox reached a1
+        assert "fedring/v1/jobs/j/manifest" not in coord.got
+        assert "fedring/v1/agents/a2/status" not in coord.got
+        assert "fedring/v1/jobs/j/to/a2/a1" in coord.got  # the coordinator sees allowed traffic
+    finally:
+        for c in (a1, a2, coord):
+            c.close()
+
+
+def test_fedring_links_work_under_the_acl(secured: Mosquitto) -> None:
+    a1 = MqttLink(_cfg(secured, "a1"), "a1").connect()
+    a2 = MqttLink(_cfg(secured, "a2"), "a2").connect()
+    try:
+        deadline = Deadline.after(5)
+        while "a2" not in a1.peers() and not deadline.expired:
+            threading.Event().wait(0.05)
+        a1.endpoint("j").send("a2", b"frame", Deadline.after(5))
+        got = a2.endpoint("j").recv(Deadline.after(5))
+        while not hasattr(got, "data"):
+            got = a2.endpoint("j").recv(Deadline.after(5))
+        assert got.src == "a1" and got.data == b"frame"  # type: ignore[union-attr]
+        assert a1.probe_bandwidth() > 0  # its own probe topic is allowed
+    finally:
+        a1.close()
+        a2.close()
