@@ -136,6 +136,11 @@ def coordinator_run(
     cfg = broker_config(broker, username, password_file, ca, cert, key, keepalive)
     try:
         spec = JobSpec.from_toml(job_file)
+        if spec.sync == "async" or spec.topology == "star":
+            raise ValueError(
+                f"{job_file}: sync={spec.sync!r} topology={spec.topology!r} needs the star "
+                "aggregator, which runs only in `fedring simulate` so far; use a ring mode"
+            )
     except ValueError as exc:
         err.print(f"[red]error: {exc}[/red]")
         raise typer.Exit(2) from None

@@ -66,3 +66,17 @@ def test_console_script_entry_point() -> None:
         [sys.executable, "-m", "fedring", "--version"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and out.stdout.startswith("fedring ")
+
+
+def test_coordinator_refuses_star_jobs_before_connecting(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from typer.testing import CliRunner
+
+    from fedring.cli import app
+
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nsync = "async"\n')
+    result = CliRunner().invoke(
+        app, ["coordinator", "run", str(job), "--broker", "mqtt://127.0.0.1:1"]
+    )
+    assert result.exit_code == 2
+    assert "star aggregator" in result.output
