@@ -110,7 +110,8 @@ def test_kill_9_an_agent_then_it_rejoins(broker: Mosquitto, fleet: Fleet, tmp_pa
     wait_for(lambda: _checkpoint_round(out) >= 60, 90, "round 60 without a2")
     fleet.start("a2")
     summary = finish(proc)
-    lost = [e for e in summary["events"] if e["why"].startswith("a2 lost")]
+    # Seen by the coordinator's own presence watch, or first by a neighbour's nack.
+    lost = [e for e in summary["events"] if "a2" in e["why"] and "lost" in e["why"]]
     assert lost, summary["events"]
     assert lost[0]["t"] - killed_at <= 1.5 * 5  # 1.5 x keep-alive
     assert any(e["why"] == "a2 came back" for e in summary["events"]), summary["events"]
