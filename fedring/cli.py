@@ -221,9 +221,7 @@ def simulate_cmd(
         )
 
         def tick(r: int, row: dict[str, Any]) -> None:
-            acc = row.get("accuracy")
-            progress.update(task, completed=r + 1, description=f"loss {row['loss']:.3f}"
-                            + (f" acc {acc:.3f}" if acc is not None else ""))  # fmt: skip
+            progress.update(task, completed=r + 1, description=cli_mqtt.row_text(row))
 
         try:
             summary = simulate(spec, on_round=tick)

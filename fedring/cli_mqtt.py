@@ -27,6 +27,13 @@ coordinator_app = typer.Typer(
     help="Drive a training job over an MQTT broker.", no_args_is_help=True
 )
 
+
+def row_text(row: dict[str, Any]) -> str:
+    """A round's row as the progress bar shows it: loss, and accuracy when evaluated."""
+    acc = row.get("accuracy")
+    return f"loss {row.get('loss', 0.0):.3f}" + (f" acc {acc:.3f}" if acc is not None else "")
+
+
 BROKER_HELP = "Broker URL: mqtt://HOST:PORT, or mqtts://HOST:PORT for TLS."
 
 
@@ -150,9 +157,7 @@ def coordinator_run(
         )
 
         def tick(r: int, row: dict[str, Any]) -> None:
-            acc = row.get("accuracy")
-            text = f"loss {row.get('loss', 0.0):.3f}" + (f" acc {acc:.3f}" if acc else "")
-            progress.update(task, completed=r + 1, description=text)
+            progress.update(task, completed=r + 1, description=row_text(row))
 
         opts = Options(out=out, min_agents=min_agents, enrol_timeout_s=enrol_timeout,
                        resume=resume, on_round=tick)  # fmt: skip

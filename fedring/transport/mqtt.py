@@ -465,13 +465,3 @@ class MqttEndpoint:
 
     def close(self) -> None:
         """The link outlives the job; closing a job's endpoint leaves it connected."""
-
-    def drain(self) -> int:
-        """Drop every queued data item (stale frames of an aborted round); return the count."""
-        n = 0
-        while True:
-            try:
-                self.link._data.get_nowait()
-                n += 1
-            except queue.Empty:
-                return n

@@ -41,6 +41,7 @@ timeout_s = 20.0
 
 
 def job_file(tmp: Path, agents: int = 4, rounds: int = 600, target: float = 0.95) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "job.toml"
     path.write_text(JOB.format(agents=agents, rounds=rounds, target=target))
     return path

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import msgpack
 import paho.mqtt.client as mqtt
-import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from fedring.config import JobSpec
@@ -37,6 +36,16 @@ def _fault_free_hash(job: Path) -> str:
 def _checkpoint_round(out: Path) -> int:
     path = out / "checkpoint.pt"
     return Checkpoint.load(out).round if path.exists() else -1
+
+
+def _started(
+    broker: Mosquitto, job: Path, tmp_path: Path, round: int
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """A coordinator process for `job`, once it has checkpointed `round`."""
+    out = tmp_path / "run"
+    proc = coordinator(broker.url, job, out)
+    wait_for(lambda: _checkpoint_round(out) >= round, 90, f"round {round}")
+    return proc, out
 
 
 def test_four_agents_reach_95_percent_with_the_simulator_hash(
@@ -89,9 +98,7 @@ def test_broker_restart_mid_run_loses_nothing(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
     job = job_file(tmp_path, rounds=300, target=0.0)
-    out = tmp_path / "run"
-    proc = coordinator(broker.url, job, out)
-    wait_for(lambda: _checkpoint_round(out) >= 30, 90, "round 30")
+    proc, _out = _started(broker, job, tmp_path, 30)
     broker.restart()
     summary = finish(proc)
     assert summary["reformations"] == 0, summary["events"]
@@ -102,9 +109,7 @@ def test_broker_restart_mid_run_loses_nothing(
 
 def test_kill_9_an_agent_then_it_rejoins(broker: Mosquitto, fleet: Fleet, tmp_path: Path) -> None:
     job = job_file(tmp_path, rounds=300, target=0.0)
-    out = tmp_path / "run"
-    proc = coordinator(broker.url, job, out)
-    wait_for(lambda: _checkpoint_round(out) >= 30, 90, "round 30")
+    proc, out = _started(broker, job, tmp_path, 30)
     killed_at = time.time()
     fleet.kill("a2", signal.SIGKILL)
     wait_for(lambda: _checkpoint_round(out) >= 60, 90, "round 60 without a2")
@@ -124,9 +129,7 @@ def test_coordinator_killed_and_resumed_loses_at_most_one_round(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
     job = job_file(tmp_path, rounds=300, target=0.0)
-    out = tmp_path / "run"
-    proc = coordinator(broker.url, job, out)
-    wait_for(lambda: _checkpoint_round(out) >= 40, 90, "round 40")
+    proc, out = _started(broker, job, tmp_path, 40)
     before = fleet.log("a0").count("stopped at round")
     proc.kill()
     proc.wait(10)
@@ -141,9 +144,12 @@ def test_coordinator_killed_and_resumed_loses_at_most_one_round(
     _threads(summary)
 
 
-def test_daemons_keep_their_thread_count_and_stop_cleanly(fleet: Fleet) -> None:
-    if len(THREADS) < 2:
-        pytest.skip("needs the jobs above in the same session")
+def test_daemons_keep_their_thread_count_and_stop_cleanly(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    for i in range(2):  # two more jobs on the same daemons, whatever ran before
+        job = job_file(tmp_path / f"j{i}")
+        _threads(finish(coordinator(broker.url, job, tmp_path / f"j{i}" / "run")))
     first, last = THREADS[0], THREADS[-1]
     for agent, count in last.items():
         if agent in first:
