@@ -326,6 +326,11 @@ class Coordinator:
             "coordinator_counters": self.counters.snapshot(),
             "agent_counters": {a: d.get("counters", {}) for a, d in ep.done.items()},
             "bytes_received_by_coordinator": self.link.stats.bytes_received,
+            "bytes_sent_by_coordinator": self.link.stats.bytes_sent,
+            "agent_bytes": {
+                a: {"ring": d.get("ring_bytes_sent", 0), "link": d.get("link_bytes_sent", 0)}
+                for a, d in ep.done.items()
+            },
         }
         (self.opts.out / "summary.json").write_text(_json(summary))
         return summary
