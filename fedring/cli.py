@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from fedring import __version__, cli_export, cli_mqtt
+from fedring import __version__, cli_export, cli_mqtt, cli_profile
 
 app = typer.Typer(
     help="Train one PyTorch model across edge boards: group-top-k + error feedback, "
@@ -39,6 +39,7 @@ app.add_typer(bench_app, name="bench")
 app.command("agent")(cli_mqtt.agent_cmd)
 app.add_typer(cli_mqtt.coordinator_app, name="coordinator")
 app.add_typer(cli_export.export_app, name="export")
+app.add_typer(cli_profile.profile_app, name="profile")
 err = Console(stderr=True)
 
 

@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 
-err = Console(stderr=True)
 export_app = typer.Typer(help="Export a trained model for deployment.", no_args_is_help=True)
 
 
@@ -70,10 +68,10 @@ def export_onnx_cmd(
     try:
         report = export_from_checkpoint(_checkpoint_dir(checkpoint), out, int8=int8)
     except (CheckpointError, ValueError) as exc:
-        err.print(f"[red]error: {exc}[/red]")
+        typer.echo(f"error: {exc}", err=True)  # unwrapped: the field stays greppable
         raise typer.Exit(2) from None
     except ExportError as exc:
-        err.print(f"[red]export failed: {exc}[/red]")
+        typer.echo(f"export failed: {exc}", err=True)
         raise typer.Exit(1) from None
     if as_json:
         typer.echo(json.dumps(report, sort_keys=True))
