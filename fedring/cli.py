@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from fedring import __version__, cli_mqtt
+from fedring import __version__, cli_export, cli_mqtt, cli_profile
 
 app = typer.Typer(
     help="Train one PyTorch model across edge boards: group-top-k + error feedback, "
@@ -39,6 +39,8 @@ app.add_typer(bench_app, name="bench")
 app.command("agent")(cli_mqtt.agent_cmd)
 bench_app.command("mqtt")(cli_mqtt.bench_mqtt_cmd)
 app.add_typer(cli_mqtt.coordinator_app, name="coordinator")
+app.add_typer(cli_export.export_app, name="export")
+app.add_typer(cli_profile.profile_app, name="profile")
 err = Console(stderr=True)
 
 
@@ -200,7 +202,9 @@ def simulate_cmd(
     target_accuracy: float | None = typer.Option(None, help="Stop once reached (0 = never). [0]"),
     seed: int | None = typer.Option(None, help="Seed of split, shards, init and batches. [0]"),
     out: Path | None = typer.Option(
-        None, "--out", help="Write metrics.jsonl, config.toml, summary.json here."
+        None,
+        "--out",
+        help="Write metrics.jsonl, config.toml, summary.json and model.onnx (checked) here.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
 ) -> None:
@@ -224,8 +228,10 @@ def simulate_cmd(
         def tick(r: int, row: dict[str, Any]) -> None:
             progress.update(task, completed=r + 1, description=cli_mqtt.row_text(row))
 
+        onnx: dict[str, Any] = {}
+        done = cli_export.export_after_run(out, spec.seed, onnx) if out is not None else None
         try:
-            summary = simulate(spec, on_round=tick)
+            summary = simulate(spec, on_round=tick, on_done=done)
         except (ValueError, FileNotFoundError) as exc:  # refused input: shards, model, dataset
             err.print(f"[red]error: {exc}[/red]")
             raise typer.Exit(2) from None
@@ -233,12 +239,16 @@ def simulate_cmd(
             err.print(f"[red]run failed: {type(exc).__name__}: {exc}[/red]")
             raise typer.Exit(1) from None
     if out is not None:
+        summary["onnx"] = onnx
         summary["outputs"] = write_outputs(out, spec, summary)
     brief = {k: v for k, v in summary.items() if k not in ("rows", "manifest")}
     if as_json:
         typer.echo(json.dumps(brief, sort_keys=True))
     else:
         Console().print(_simulate_table(spec, brief))
+    if "error" in onnx:
+        err.print(f"[red]ONNX export failed its checks: {onnx['error']}[/red]")
+        raise typer.Exit(1)
 
 
 def _simulate_table(spec: Any, r: dict[str, Any]) -> Table:

@@ -53,7 +53,10 @@ def speeds(spec: JobSpec) -> list[float]:
 
 
 def simulate_async(
-    spec: JobSpec, p: Any, on_round: Callable[[int, dict[str, Any]], None] | None
+    spec: JobSpec,
+    p: Any,
+    on_round: Callable[[int, dict[str, Any]], None] | None,
+    on_done: Callable[[torch.nn.Module, Any], None] | None = None,
 ) -> dict[str, Any]:
     from fedring.sim.runner import JOB_KEY, prepare_agent
 
@@ -155,6 +158,8 @@ def simulate_async(
         ch.endpoint.close()
     sent = [ch.endpoint.stats.bytes_sent for ch in agents]
     trainers[0].set_params(model)
+    if on_done is not None:
+        on_done(trainers[0].model, p.dataset)
     return {
         "final_accuracy": evals[-1]["accuracy"] if evals else 0.0,
         "rounds": version,

@@ -86,13 +86,18 @@ def prepare_agent(p: Plan, rank: int) -> LocalTrainer:
 
 
 def simulate(
-    spec: JobSpec, on_round: Callable[[int, dict[str, Any]], None] | None = None
+    spec: JobSpec,
+    on_round: Callable[[int, dict[str, Any]], None] | None = None,
+    on_done: Callable[[torch.nn.Module, Dataset], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the job; return a summary (see `summarise`) with per-round rows."""
+    """Run the job; return a summary (see `summarise`) with per-round rows.
+
+    `on_done` receives agent 0's trained model and the dataset (e.g. to export ONNX).
+    """
     if spec.sync == "async":
         from fedring.sim.async_star import simulate_async
 
-        return simulate_async(spec, plan(spec), on_round)
+        return simulate_async(spec, plan(spec), on_round, on_done)
     start = time.perf_counter()
     p = plan(spec)
     trainers = [prepare_agent(p, r) for r in range(spec.agents)]
@@ -127,6 +132,8 @@ def simulate(
         spec, p, results, [t.model for t in trainers], channels, time.perf_counter() - start
     )
     summary["counters"] = counters.snapshot()
+    if on_done is not None:
+        on_done(trainers[0].model, p.dataset)
     return summary
 
 
@@ -154,6 +161,7 @@ def summarise(
         "final_accuracy": sum(final) / len(final) if final else 0.0,
         "rounds": results[0].rounds_run,
         "bytes_sent_per_agent": sum(sent) / len(sent),
+        "frames_sent_per_agent": sum(ch.endpoint.stats.frames_sent for ch in channels) / len(sent),
         "dense_equivalent_bytes": _dense_equivalent(spec, numel, results[0].rounds_run),
         "wall_seconds": wall,
         "params": numel,

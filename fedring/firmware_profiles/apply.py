@@ -1,0 +1,159 @@
+"""Apply a profile on an agent: threads, batch size, dtype, frame size, deadlines, memory.
+
+`AgentSettings` is what the agent takes from its profile (flags may override the
+thread count); `apply_settings` sets torch's threads. `estimate_memory` counts
+what one job would hold on the board and `check_budget` refuses a job that
+would not fit *before* anything is trained, with the estimate and the budget in
+the message, e.g.::
+
+    job needs ~163.0 MB on rpi-zero-2w but its budget is 115 MB: 1,090,058 parameters
+    x 26 fp32 copies = 113.4 MB, activations 0.2 MB (batch 32), data 49.4 MB
+
+The copies counted per parameter (fp32) are those the code keeps: the weights,
+their ``.grad``, the flat gradient, the optimizer velocity, the reduced vector and
+the ring's accumulator; with group-top-k also the residual, the compensated
+gradient and its decompressed copy; one rollback snapshot (weights, velocity,
+residual); and the agent's retry states (`RETRY_STATES` x the same three).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedring.config import JobSpec
+from fedring.firmware_profiles.schema import Profile
+
+RETRY_STATES = 4  # edge_agent.worker.KEEP_SNAPSHOTS (a test keeps them equal)
+MB = 1 << 20
+
+
+class OverBudget(ValueError):
+    """A job whose estimated memory exceeds the board's budget."""
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    profile: str
+    link: str
+    torch_threads: int
+    batch_size: int  # the board's default; a job's own batch size wins in a ring
+    dtype: str
+    max_frame_bytes: int
+    keepalive_s: int
+    round_deadline_s: float
+    onnx_providers: tuple[str, ...]
+    ram_budget_mb: int
+    gflops: float
+
+    def hello(self) -> dict[str, Any]:
+        """What the agent announces (the coordinator orders the ring and sizes deadlines)."""
+        doc = asdict(self)
+        doc["onnx_providers"] = list(self.onnx_providers)
+        return doc
+
+
+def settings_for(
+    profile: Profile, link: str | None = None, threads: int | None = None
+) -> AgentSettings:
+    return AgentSettings(
+        profile=profile.name, link=profile.link(link).name,
+        torch_threads=threads or profile.torch_threads, batch_size=profile.batch_size,
+        dtype=profile.dtype, max_frame_bytes=profile.max_frame_bytes,
+        keepalive_s=profile.keepalive_s, round_deadline_s=profile.round_deadline_s,
+        onnx_providers=profile.onnx_providers, ram_budget_mb=profile.ram_budget_mb,
+        gflops=profile.gflops,
+    )  # fmt: skip
+
+
+def apply_settings(settings: AgentSettings) -> None:
+    """Set what is process-wide: torch's intra-op threads."""
+    torch.set_num_threads(settings.torch_threads)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: int
+    copies: int
+    activations_bytes: int
+    data_bytes: int
+    batch_size: int
+
+    @property
+    def params_bytes(self) -> int:
+        return self.params * 4 * self.copies
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.activations_bytes + self.data_bytes
+
+    def describe(self) -> str:
+        return (
+            f"{self.params:,} parameters x {self.copies} fp32 copies = "
+            f"{self.params_bytes / MB:.1f} MB, activations {self.activations_bytes / MB:.1f} MB "
+            f"(batch {self.batch_size}), data {self.data_bytes / MB:.1f} MB"
+        )
+
+
+def copies_per_param(spec: JobSpec) -> int:
+    compressed = spec.compression == "group-topk" or spec.aggregation == "vote"
+    state = 3 if compressed else 2  # weights, velocity (, residual)
+    working = 6 + (3 if compressed else 0)
+    return working + state * (1 + RETRY_STATES)
+
+
+def activation_bytes(model: nn.Module, feature_shape: tuple[int, ...], batch: int) -> int:
+    """Outputs of every leaf module for one batch, kept for backward, plus their gradients."""
+    total = 0
+
+    def hook(_m: nn.Module, _i: Any, out: Any) -> None:
+        nonlocal total
+        if isinstance(out, torch.Tensor):
+            total += out.numel()
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook) for m in leaves]
+    try:
+        with torch.no_grad():
+            model(torch.zeros((1, *feature_shape)))
+    finally:
+        for h in handles:
+            h.remove()
+    return total * batch * 4 * 2
+
+
+def estimate_memory(
+    spec: JobSpec, model: nn.Module, feature_shape: tuple[int, ...], data_bytes: int
+) -> MemoryEstimate:
+    return MemoryEstimate(
+        params=sum(p.numel() for p in model.parameters()),
+        copies=copies_per_param(spec),
+        activations_bytes=activation_bytes(model, feature_shape, spec.batch_size),
+        data_bytes=data_bytes,
+        batch_size=spec.batch_size,
+    )
+
+
+def job_memory(spec: JobSpec) -> MemoryEstimate:
+    """Load the job's dataset and model as an agent would, and estimate the memory."""
+    from fedring.training.datasets import load_dataset
+    from fedring.training.models import build_model
+
+    ds = load_dataset(spec.dataset, spec.seed)
+    model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
+    # An agent loads the whole dataset, then keeps its shard (see edge_agent.worker).
+    data = sum(t.numel() * t.element_size() for t in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
+    return estimate_memory(spec, model, ds.feature_shape, data)
+
+
+def check_budget(profile: Profile, estimate: MemoryEstimate) -> None:
+    """Refuse (OverBudget) a job whose estimate exceeds the profile's RAM budget."""
+    need = estimate.total_bytes / MB
+    if need > profile.ram_budget_mb:
+        raise OverBudget(
+            f"job needs ~{need:.1f} MB on {profile.name} but its budget is "
+            f"{profile.ram_budget_mb} MB (compute.ram_budget_mb): {estimate.describe()}"
+        )

@@ -1,0 +1,80 @@
+"""Which board is this? `/proc/device-tree/model`, then `/etc/nv_tegra_release`, else generic.
+
+The device tree names Raspberry Pis and Jetson developer kits exactly
+("Raspberry Pi 4 Model B Rev 1.4", "NVIDIA Jetson Nano Developer Kit"); the RAM
+variant of a Pi 4 comes from ``MemTotal`` in `/proc/meminfo`. A Jetson whose device
+tree is unreadable (some containers) is recognised from the L4T release file: R32
+with ``BOARD: t210ref`` is a Nano, other R32 boards are taken as Xavier NX, R35/R36
+(JetPack 5/6) as an Orin Nano, the smallest Orin. All paths are parameters, so the
+tests feed fake files.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedring.firmware_profiles.schema import Profile, builtin_profiles
+
+MODEL = Path("/proc/device-tree/model")
+TEGRA = Path("/etc/nv_tegra_release")
+MEMINFO = Path("/proc/meminfo")
+GENERIC = "generic-x86_64"
+
+
+@dataclass(frozen=True)
+class Detection:
+    profile: Profile
+    reason: str  # what was read, for `fedring profile detect` and the agent's log
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_bytes().decode("utf-8", "replace").replace("\x00", "").strip()
+    except OSError:
+        return None
+
+
+def mem_total_mb(meminfo: Path = MEMINFO) -> int | None:
+    text = _read(meminfo)
+    found = re.search(r"^MemTotal:\s+(\d+)\s*kB", text or "", re.MULTILINE)
+    return int(found.group(1)) // 1024 if found else None
+
+
+def _tegra_name(release: str) -> str | None:
+    major = re.search(r"#\s*R(\d+)", release)
+    if major is None:
+        return None
+    if int(major.group(1)) >= 35:
+        return "jetson-orin-nano"
+    return "jetson-nano" if "t210" in release else "jetson-xavier-nx"
+
+
+def detect(
+    model_path: Path = MODEL, tegra_path: Path = TEGRA, meminfo_path: Path = MEMINFO
+) -> Detection:
+    """The profile of this board; `generic-x86_64` when nothing identifies it."""
+    profiles = builtin_profiles()
+    model = _read(model_path)
+    if model:
+        candidates = [
+            p for p in profiles.values() if p.detect_model and model.startswith(p.detect_model)
+        ]
+        if candidates:
+            mem = mem_total_mb(meminfo_path)
+            if mem is not None:
+                sized = [p for p in candidates if p.detect_ram_mb[0] <= mem < p.detect_ram_mb[1]]
+                candidates = sized or candidates
+            # Smallest RAM first: with unknown memory, assume the tightest budget.
+            best = min(candidates, key=lambda p: p.ram_mb)
+            why = f"{model_path}: {model!r}" + (f", MemTotal {mem} MB" if mem is not None else "")
+            return Detection(best, why)
+    release = _read(tegra_path)
+    if release:
+        name = _tegra_name(release)
+        if name is not None:
+            first = release.splitlines()[0]
+            return Detection(profiles[name], f"{tegra_path}: {first!r}")
+    why = f"no known board in {model_path} or {tegra_path}"
+    return Detection(profiles[GENERIC], why)
