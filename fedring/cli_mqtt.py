@@ -132,6 +132,9 @@ def coordinator_run(
     cert: Path | None = _CERT,
     key: Path | None = _KEY,
     keepalive: int = _KEEPALIVE,
+    onnx: bool = typer.Option(
+        True, "--onnx/--no-onnx", help="Export OUT/model.onnx at the end, checked with ORT."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
 ) -> None:
     """Enrol agents, shard the data, run the rounds, checkpoint every round, report."""
@@ -160,7 +163,7 @@ def coordinator_run(
             progress.update(task, completed=r + 1, description=row_text(row))
 
         opts = Options(out=out, min_agents=min_agents, enrol_timeout_s=enrol_timeout,
-                       resume=resume, on_round=tick)  # fmt: skip
+                       resume=resume, export_onnx=onnx, on_round=tick)  # fmt: skip
         try:
             summary = Coordinator(spec, cfg, opts).run()
         except CheckpointError as exc:
@@ -178,6 +181,14 @@ def coordinator_run(
             f"identical models: {summary['identical_models']}, "
             f"re-formations: {summary['reformations']}; {out}/summary.json"
         )
+    exported = summary.get("onnx", {})
+    if "error" in exported:
+        err.print(f"[red]ONNX export failed its checks: {exported['error']}[/red]")
+        raise typer.Exit(1)
+    if exported and not as_json:
+        from fedring.cli_export import summary_line
+
+        err.print(summary_line(exported))
 
 
 def bench_mqtt_cmd(
