@@ -5,7 +5,9 @@ The first acceptance item of the training issue, measured in one run:
 - group-top-k 1% + error feedback, bounded ring (fedring's default: plain EF-SGD,
   no momentum, base lr 0.1);
 - group-top-k 1% without error feedback (the negative control);
-- group-top-k 0.1% + error feedback at G = 1024 (k = 1 per group: 0.098%);
+- group-top-k 0.1% + error feedback at G = 1024 (k = 1 per group: 0.098%), at the
+  default base lr 0.1 and at 0.2 (one coordinate in 1024 moves per round, so the
+  residual is applied late; a larger step catches up);
 - group-top-k 1% + EF with DGC momentum correction (m = 0.9, lr 0.025), the
   former default, for comparison.
 Accuracy is the mean (and min-max) of 3 seeds; bytes are per agent, frames included.
@@ -25,6 +27,7 @@ RUNS = {
     "group-topk 1% + EF": {"density": 0.01},
     "group-topk 1%, no EF": {"density": 0.01, "error_feedback": False},
     "group-topk 0.1% + EF": {"density": 0.001, "group_size": 1024},
+    "group-topk 0.1% + EF, lr 0.2": {"density": 0.001, "group_size": 1024, "lr": 0.2},
     "1% + EF, DGC momentum": {"density": 0.01, "momentum_correction": True, "lr": 0.025},
 }
 

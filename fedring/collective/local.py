@@ -45,10 +45,12 @@ def run_local_ring(
     timeout_s: float = 60.0,
     transport: InprocTransport | None = None,
     grid_rows: int = 0,
+    grid_dims: tuple[int, ...] = (),
 ) -> LocalRun[T]:
     """Call ``fn(ring)`` for every member concurrently; re-raise the first failure.
 
-    With `grid_rows` R > 0, each member gets an R x N/R `Torus` instead of a `Ring`.
+    With `grid_rows` R > 0, each member gets an R x N/R `Torus` instead of a `Ring`;
+    with `grid_dims`, a `Torus` of those axes (outermost first).
     """
     if world < 1:
         raise ValueError(f"world={world} must be >= 1")
@@ -58,8 +60,11 @@ def run_local_ring(
     channels = [
         PeerChannel(hub.connect(n), job, key=key, limits=limits, counters=counters) for n in names
     ]
+    gridded = bool(grid_rows or grid_dims)
     rings: list[Ring | Torus] = [
-        Torus(ch, names, timeout_s, rows=grid_rows) if grid_rows else Ring(ch, names, timeout_s)
+        Torus(ch, names, timeout_s, rows=grid_rows, dims=grid_dims)
+        if gridded
+        else Ring(ch, names, timeout_s)
         for ch in channels
     ]
 

@@ -9,16 +9,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedring.collective import chunk_bounds, majority_vote, run_local_ring
-from fedring.collective.torus import grid_rows
+from fedring.collective.torus import grid_dims, grid_rows, layout_name
 from fedring.compression import GroupTopK
 from tests.strategies import flat_vectors, value_dtypes
 
 worlds = st.integers(1, 8)
-# (world, grid rows): 0 rows is the flat ring, R > 0 an R x world/R torus
+Layout = tuple[int, tuple[int, ...]]
+# (world, grid axes): () is the flat ring, (R, C) an R x C torus, (A, B, C) a 3-D one
 layouts = st.one_of(
-    worlds.map(lambda w: (w, 0)),
-    st.sampled_from([(4, 2), (6, 2), (6, 3), (8, 2), (9, 3), (12, 3), (2, 1), (3, 3)]),
-)
+    worlds.map(lambda w: (w, ())),
+    st.sampled_from([(4, (2, 2)), (6, (2, 3)), (6, (3, 2)), (8, (2, 4)), (9, (3, 3)),
+                     (12, (3, 4)), (2, (1, 2)), (3, (3, 1)), (8, (2, 2, 2)), (12, (2, 2, 3)),
+                     (12, (3, 2, 2)), (18, (2, 3, 3)), (6, (1, 2, 3))]),
+)  # fmt: skip
 group_sizes = st.sampled_from([1, 3, 64, 256, 300])
 
 
@@ -37,12 +40,12 @@ def _same_everywhere(results: list[torch.Tensor]) -> bool:
 
 
 @given(layout=layouts, data=st.data())
-def test_dense_ring_equals_the_sum(layout: tuple[int, int], data: st.DataObject) -> None:
-    world, rows = layout
+def test_dense_ring_equals_the_sum(layout: Layout, data: st.DataObject) -> None:
+    world, dims = layout
     xs = _inputs(data, world)
     ref = torch.stack([x.double() for x in xs]).sum(0)
     run = run_local_ring(
-        world, lambda ring: ring.allreduce_dense(xs[ring.rank]), key=b"k", grid_rows=rows
+        world, lambda ring: ring.allreduce_dense(xs[ring.rank]), key=b"k", grid_dims=dims
     )
     assert _same_everywhere(run.results)
     torch.testing.assert_close(
@@ -52,9 +55,9 @@ def test_dense_ring_equals_the_sum(layout: tuple[int, int], data: st.DataObject)
 
 @given(layout=layouts, g=group_sizes, data=st.data())
 def test_exact_sparse_ring_equals_the_sum_of_sparse_inputs(
-    layout: tuple[int, int], g: int, data: st.DataObject
+    layout: Layout, g: int, data: st.DataObject
 ) -> None:
-    world, rows = layout
+    world, dims = layout
     xs = _inputs(data, world)
     topk = GroupTopK(g, data.draw(st.integers(1, min(g, 5))))
     sparse = [topk.compress(x) for x in xs]
@@ -62,7 +65,7 @@ def test_exact_sparse_ring_equals_the_sum_of_sparse_inputs(
     run = run_local_ring(
         world,
         lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="exact"),
-        grid_rows=rows,
+        grid_dims=dims,
     )
     outs = [r[0] for r in run.results]
     assert _same_everywhere(outs)
@@ -74,9 +77,9 @@ def test_exact_sparse_ring_equals_the_sum_of_sparse_inputs(
 
 @given(layout=layouts, g=group_sizes, dtype=st.sampled_from(["fp32", "fp16"]), data=st.data())
 def test_bounded_ring_conserves_every_dropped_entry_exactly(
-    layout: tuple[int, int], g: int, dtype: str, data: st.DataObject
+    layout: Layout, g: int, dtype: str, data: st.DataObject
 ) -> None:
-    world, rows = layout
+    world, dims = layout
     xs = _inputs(
         data, world, dyadic=True
     )  # sums exact in fp32: the invariant must hold bit for bit
@@ -85,7 +88,7 @@ def test_bounded_ring_conserves_every_dropped_entry_exactly(
     run = run_local_ring(
         world,
         lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded"),
-        grid_rows=rows,
+        grid_dims=dims,
     )
     outs, kept = [r[0] for r in run.results], [r[1] for r in run.results]
     assert _same_everywhere(outs)
@@ -97,15 +100,15 @@ def test_bounded_ring_conserves_every_dropped_entry_exactly(
 
 @given(layout=layouts, g=group_sizes, dtype=value_dtypes, data=st.data())
 def test_bounded_conservation_with_arbitrary_floats(
-    layout: tuple[int, int], g: int, dtype: str, data: st.DataObject
+    layout: Layout, g: int, dtype: str, data: st.DataObject
 ) -> None:
-    world, rows = layout
+    world, dims = layout
     xs = _inputs(data, world)
     sparse = [GroupTopK(g, 1, dtype).compress(x) for x in xs]  # type: ignore[arg-type]
     run = run_local_ring(
         world,
         lambda ring: ring.allreduce_sparse(sparse[ring.rank], policy="bounded"),
-        grid_rows=rows,
+        grid_dims=dims,
     )
     total = run.results[0][0].double() + sum(r[1].double() for r in run.results)
     ref = torch.stack([s.decompress().double() for s in sparse]).sum(0)
@@ -187,3 +190,25 @@ def test_torus_sends_what_the_flat_ring_sends_in_fewer_frames() -> None:
 
 def test_grid_rows_is_the_largest_divisor_up_to_the_square_root() -> None:
     assert [grid_rows(n) for n in (1, 2, 7, 8, 12, 16, 32, 36)] == [1, 1, 1, 2, 3, 4, 4, 6]
+
+
+def test_grid_dims_takes_the_fewest_ring_steps() -> None:
+    assert [grid_dims(n) for n in (7, 8, 9, 12, 32, 36)] == [
+        (7,), (2, 2, 2), (3, 3), (2, 2, 3), (2, 4, 4), (3, 3, 4)
+    ]  # fmt: skip
+    assert [layout_name("auto", n) for n in (8, 10, 9, 32)] == [
+        "ring of 8", "ring of 10", "torus 3x3", "torus 2x4x4"
+    ]  # fmt: skip
+
+
+def test_a_3d_torus_sends_the_same_payload_in_fewer_frames_than_2d() -> None:
+    numel, topk = 64 * 256 * 12, GroupTopK(256, 3, "fp16")
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(12)]
+    sparse = [topk.compress(x) for x in xs]
+    two = run_local_ring(12, lambda r: r.allreduce_sparse(sparse[r.rank]), grid_dims=(3, 4))
+    three = run_local_ring(12, lambda r: r.allreduce_sparse(sparse[r.rank]), grid_dims=(2, 2, 3))
+    assert all(s.frames_sent == 2 * (3 - 1) + 2 * (2 - 1) + 2 * (2 - 1) for s in three.stats)
+    assert all(s.frames_sent == 2 * (4 - 1) + 2 * (3 - 1) for s in two.stats)
+    assert three.payload_bytes == two.payload_bytes
+    # (Conservation on 3-D grids is checked with the other layouts above.)
+    assert _same_everywhere([out for out, _ in three.results])
