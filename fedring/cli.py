@@ -203,7 +203,8 @@ def simulate_cmd(
     out: Path | None = typer.Option(
         None,
         "--out",
-        help="Write metrics.jsonl, config.toml, summary.json and model.onnx (checked) here.",
+        help="Write metrics.jsonl, config.toml, summary.json, model.onnx (checked), "
+        "report.md and its PNG plots here.",
     ),
     fleet: str | None = typer.Option(
         None,
@@ -211,14 +212,18 @@ def simulate_cmd(
         help="Estimate wall time on boards: NAME[/wifi|/ethernet][:COUNT],... e.g. "
         "rpi4:4,jetson-orin-nano:2 (sets --agents; see `fedring profile list`).",
     ),
+    with_dense: bool = typer.Option(
+        False, "--with-dense", help="Also run the dense fp32 ring; report and plot it beside."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
 ) -> None:
     """Train N agents in one process over the in-process transport (real frames)."""
     given = {k: v for k, v in locals().items() if v is not None}  # before any other local
-    flags = {k: v for k, v in given.items() if k not in ("config", "out", "as_json", "fleet")}
+    cli_only = ("config", "out", "as_json", "fleet", "with_dense")
+    flags = {k: v for k, v in given.items() if k not in cli_only}
     from fedring.config import JobSpec
     from fedring.sim import fleet as fleet_clock
-    from fedring.sim.report import write_outputs
+    from fedring.sim.report import BASELINE_KEYS, dense_twin, write_outputs, write_report_for
     from fedring.sim.runner import simulate
 
     try:
@@ -244,6 +249,8 @@ def simulate_cmd(
         done = cli_export.export_after_run(out, spec.seed, onnx) if out is not None else None
         try:
             summary = simulate(spec, on_round=tick, on_done=done)
+            dense_spec = dense_twin(spec)
+            baseline = simulate(dense_spec) if with_dense and dense_spec != spec else None
         except (ValueError, FileNotFoundError) as exc:  # refused input: shards, model, dataset
             err.print(f"[red]error: {exc}[/red]")
             raise typer.Exit(2) from None
@@ -252,9 +259,14 @@ def simulate_cmd(
             raise typer.Exit(1) from None
     if members is not None and host is not None:
         summary.update(fleet_clock.estimate(spec, summary, members, host))
+        if baseline is not None:
+            baseline.update(fleet_clock.estimate(dense_spec, baseline, members, host))
+    if baseline is not None:
+        summary["dense_baseline"] = {k: baseline.get(k) for k in BASELINE_KEYS}
     if out is not None:
         summary["onnx"] = onnx
         summary["outputs"] = write_outputs(out, spec, summary)
+        summary["outputs"].update(write_report_for(out, spec, summary, baseline))
     brief = {k: v for k, v in summary.items() if k not in ("rows", "manifest")}
     if as_json:
         typer.echo(json.dumps(brief, sort_keys=True))
