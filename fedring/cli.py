@@ -37,6 +37,7 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 app.command("agent")(cli_mqtt.agent_cmd)
+bench_app.command("mqtt")(cli_mqtt.bench_mqtt_cmd)
 app.add_typer(cli_mqtt.coordinator_app, name="coordinator")
 app.add_typer(cli_export.export_app, name="export")
 app.add_typer(cli_profile.profile_app, name="profile")

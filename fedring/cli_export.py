@@ -33,27 +33,6 @@ def _checkpoint_dir(path: Path) -> Path:
     return path.parent
 
 
-def export_from_checkpoint(checkpoint: Path, out: Path, *, int8: bool = False) -> dict[str, Any]:
-    """Rebuild the checkpoint's model with its parameters and run `export_onnx` on it."""
-    from fedring.config import JobSpec
-    from fedring.coordinator.checkpoint import Checkpoint, CheckpointError
-    from fedring.coordinator.onnx_export import export_onnx
-    from fedring.training.datasets import load_dataset
-    from fedring.training.models import build_model, set_flat_params
-
-    ck = Checkpoint.load(checkpoint)
-    spec = JobSpec.from_mapping(ck.spec)
-    ds = load_dataset(spec.dataset, spec.seed)
-    model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
-    if ck.params is None:
-        raise CheckpointError(f"{checkpoint}: no round has completed yet; nothing to export")
-    set_flat_params(model, ck.params)
-    test = (ds.x_test.numpy(), ds.y_test.numpy())
-    report = export_onnx(model, ds.feature_shape, out, int8=int8, test_set=test, seed=spec.seed)
-    report["checkpoint_round"] = ck.round
-    return report
-
-
 @export_app.command("onnx")
 def export_onnx_cmd(
     checkpoint: Path = typer.Argument(..., help="checkpoint.pt (or its folder) from a run."),
@@ -63,7 +42,7 @@ def export_onnx_cmd(
 ) -> None:
     """Export to ONNX, run onnx.checker (full) and compare ONNX Runtime with torch."""
     from fedring.coordinator.checkpoint import CheckpointError
-    from fedring.coordinator.onnx_export import ExportError
+    from fedring.coordinator.onnx_export import ExportError, export_from_checkpoint
 
     try:
         report = export_from_checkpoint(_checkpoint_dir(checkpoint), out, int8=int8)

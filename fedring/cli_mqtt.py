@@ -145,6 +145,9 @@ def coordinator_run(
     cert: Path | None = _CERT,
     key: Path | None = _KEY,
     keepalive: int = _KEEPALIVE,
+    onnx: bool = typer.Option(
+        True, "--onnx/--no-onnx", help="Export OUT/model.onnx at the end, checked with ORT."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
 ) -> None:
     """Enrol agents, shard the data, run the rounds, checkpoint every round, report."""
@@ -173,7 +176,7 @@ def coordinator_run(
             progress.update(task, completed=r + 1, description=row_text(row))
 
         opts = Options(out=out, min_agents=min_agents, enrol_timeout_s=enrol_timeout,
-                       resume=resume, on_round=tick)  # fmt: skip
+                       resume=resume, export_onnx=onnx, on_round=tick)  # fmt: skip
         try:
             summary = Coordinator(spec, cfg, opts).run()
         except CheckpointError as exc:
@@ -191,3 +194,69 @@ def coordinator_run(
             f"identical models: {summary['identical_models']}, "
             f"re-formations: {summary['reformations']}; {out}/summary.json"
         )
+    exported = summary.get("onnx", {})
+    if "error" in exported:
+        err.print(f"[red]ONNX export failed its checks: {exported['error']}[/red]")
+        raise typer.Exit(1)
+    if exported and not as_json:
+        from fedring.cli_export import summary_line
+
+        err.print(summary_line(exported))
+
+
+def bench_mqtt_cmd(
+    agents: int = typer.Option(4, min=2, max=32, help="Agent daemons (processes) in the ring."),
+    rounds: int = typer.Option(100, min=1, help="Rounds of each job."),
+    density: float = typer.Option(0.01, min=1e-6, max=1.0, help="group-top-k fraction kept."),
+    dataset: str = typer.Option("digits", help="digits | mnist1d | synthetic[:N:D:C]."),
+    seed: int = typer.Option(0, help="Seed of both jobs."),
+    checkpoint_every: int = typer.Option(
+        1, min=1, help="Rounds between the head's dense checkpoint uploads."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    """Bytes per round at a real Mosquitto ($SYS) beside fedring's frame accounting.
+
+    Starts Mosquitto on loopback and N `fedring agent` processes, then runs the
+    same job dense and with group-top-k; needs `mosquitto` installed.
+    """
+    from rich.table import Table
+
+    from fedring.bench import mqtt as bench
+    from fedring.transport.mosquitto import MosquittoMissing
+
+    with Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
+        task = progress.add_task("dense", total=2 * rounds)
+        done = {"none": 0, "group-topk": rounds}
+
+        def tick(compression: str, r: int, row: dict[str, Any]) -> None:
+            progress.update(task, completed=done[compression] + r + 1,
+                            description=f"{compression}: {row_text(row)}")  # fmt: skip
+
+        try:
+            result = bench.run(
+                agents, rounds, density, dataset, seed, checkpoint_every, on_round=tick
+            )
+        except MosquittoMissing as exc:
+            err.print(f"[red]error: {exc}[/red]")
+            raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(result, sort_keys=True))
+        return
+    table = Table(title=f"{agents} agents, {dataset}, {rounds} rounds over Mosquitto, checkpoint "
+                        f"every {checkpoint_every}: bytes per round")  # fmt: skip
+    for title in ("job", "accuracy", "ring/agent", "published", "broker in", "broker out",
+                  "MQTT +"):  # fmt: skip
+        table.add_column(title, justify="right")
+    for row in result["rows"]:
+        name = "dense" if row["compression"] == "none" else f"top-k {100 * row['density']:g}%"
+        table.add_row(
+            name, f"{row['final_accuracy']:.4f}", f"{row['ring_bytes_per_agent_per_round']:,.0f}",
+            f"{row['published_bytes_per_round']:,.0f}", f"{row['broker_received_per_round']:,.0f}",
+            f"{row['broker_sent_per_round']:,.0f}", f"{100 * row['mqtt_overhead']:.1f}%",
+        )  # fmt: skip
+    Console().print(table)
+    err.print(
+        f"dense/compressed: ring {result['ring_bytes_ratio']:.1f}x, at the broker "
+        f"{result['broker_bytes_ratio']:.1f}x; logs in {result['logs']}"
+    )

@@ -71,6 +71,10 @@ class JobSpec:
     target_accuracy: float = 0.0  # stop once reached (0 = run all rounds)
     seed: int = 0  # seeds data split, shards, init and batches
     timeout_s: float = 60.0  # deadline of every ring step
+    # Over MQTT the ring's head uploads its dense parameters for the coordinator's
+    # checkpoint every this many rounds (and at the end); `--resume` and a re-formed
+    # ring redo at most this many rounds. Each upload costs one dense model.
+    checkpoint_every: int = 1
 
     def __post_init__(self) -> None:
         _check_int(self, "agents", 1, 1024)
@@ -100,6 +104,7 @@ class JobSpec:
         _check_float(self, "correction", 0.0, 10.0)
         _check_float(self, "target_accuracy", 0.0, 1.0)
         _check_float(self, "timeout_s", 0.01, 3600.0)
+        _check_int(self, "checkpoint_every", 1, 10**6)
         if self.async_wait > self.agents:
             raise SpecError(f"async_wait={self.async_wait} exceeds agents={self.agents}")
         try:

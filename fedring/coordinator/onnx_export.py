@@ -115,6 +115,26 @@ def export_onnx(
     return report
 
 
+def export_from_checkpoint(checkpoint: Path, out: Path, *, int8: bool = False) -> dict[str, Any]:
+    """Rebuild the checkpoint's model with its parameters and run `export_onnx` on it."""
+    from fedring.config import JobSpec
+    from fedring.coordinator.checkpoint import Checkpoint, CheckpointError
+    from fedring.training.datasets import load_dataset
+    from fedring.training.models import build_model, set_flat_params
+
+    ck = Checkpoint.load(checkpoint)
+    spec = JobSpec.from_mapping(ck.spec)
+    ds = load_dataset(spec.dataset, spec.seed)
+    model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
+    if ck.params is None:
+        raise CheckpointError(f"{checkpoint}: no round has completed yet; nothing to export")
+    set_flat_params(model, ck.params)
+    test = (ds.x_test.numpy(), ds.y_test.numpy())
+    report = export_onnx(model, ds.feature_shape, out, int8=int8, test_set=test, seed=spec.seed)
+    report["checkpoint_round"] = ck.round
+    return report
+
+
 def _inputs(feature_shape: tuple[int, ...], n: int, seed: int) -> np.ndarray:
     if n < 1:
         raise ValueError(f"check_inputs={n} must be >= 1")

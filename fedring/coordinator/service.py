@@ -58,6 +58,7 @@ class Options:
     stall_s: float = 0.0  # 0: 3 x the job's timeout_s
     max_epochs: int = 50
     resume: bool = False
+    export_onnx: bool = True  # OUT/model.onnx from the final checkpoint, checked with ORT
     on_round: Callable[[int, dict[str, Any]], None] | None = None
 
 
@@ -326,9 +327,32 @@ class Coordinator:
             "coordinator_counters": self.counters.snapshot(),
             "agent_counters": {a: d.get("counters", {}) for a, d in ep.done.items()},
             "bytes_received_by_coordinator": self.link.stats.bytes_received,
+            "bytes_sent_by_coordinator": self.link.stats.bytes_sent,
+            "agent_bytes": {
+                a: {"ring": d.get("ring_bytes_sent", 0), "link": d.get("link_bytes_sent", 0)}
+                for a, d in ep.done.items()
+            },
         }
+        if self.ck.params_sha256 not in hashes:
+            self.counters.add("checkpoint_not_final")
+            log.error("checkpoint of round %d is not the agents' final model", self.ck.round)
+        summary["checkpoint_round"] = self.ck.round
+        if self.opts.export_onnx:
+            summary["onnx"] = self._export()
+        summary["coordinator_counters"] = self.counters.snapshot()
         (self.opts.out / "summary.json").write_text(_json(summary))
         return summary
+
+    def _export(self) -> dict[str, Any]:
+        """Export the final checkpoint; a failed check is reported, not raised."""
+        from fedring.coordinator.onnx_export import ExportError, export_from_checkpoint
+
+        try:
+            return export_from_checkpoint(self.opts.out, self.opts.out / "model.onnx")
+        except (ExportError, ValueError) as exc:
+            self.counters.add("onnx_export_failed")
+            log.error("ONNX export failed: %s", exc)
+            return {"error": str(exc)}
 
     # -- plumbing -----------------------------------------------------------------
 

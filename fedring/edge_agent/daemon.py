@@ -34,7 +34,7 @@ from fedring.training.models import flat_bytes, flat_sha256
 from fedring.training.sharding import ShardError
 from fedring.transport import topics
 from fedring.transport.base import Deadline, TransportError
-from fedring.transport.mqtt import BrokerConfig, Control, MqttLink
+from fedring.transport.mqtt import BrokerConfig, Control, MqttEndpoint, MqttLink
 from fedring.wire.control import ControlCodec, ControlMessage
 from fedring.wire.errors import FrameError, FrameReason
 
@@ -50,12 +50,13 @@ class _Running:
     acked: int = 0  # the coordinator has saved the state at the start of this round
     cond: threading.Condition = field(default_factory=threading.Condition)
 
-    def gate(self, r: int, patience: float) -> None:
-        """The head starts round r once the state at its start is checkpointed, so
-        a coordinator restarted from its checkpoint redoes at most one round."""
+    def gate(self, r: int, every: int, patience: float) -> None:
+        """The head starts round r once the state at the last checkpoint round at or
+        before r is saved, so a restarted coordinator redoes at most `every` rounds."""
         deadline = Deadline.after(patience)
+        need = r - r % every
         with self.cond:
-            while self.acked < r and not self.halt.is_set():
+            while self.acked < need and not self.halt.is_set():
                 if deadline.expired:
                     raise CollectiveTimeout(f"no checkpoint ack for round {r}")
                 self.cond.wait(min(0.5, deadline.remaining()))
@@ -89,6 +90,8 @@ class AgentDaemon:
         self.stop = threading.Event()
         self.link: MqttLink | None = None
         self.worker: JobWorker | None = None
+        self.endpoint: MqttEndpoint | None = None  # the worker's job: its ring bytes, all epochs
+        self.link_bytes_at_job = 0  # everything this agent published since the job began
         self.running: _Running | None = None
         self.awaiting: Segment | None = None  # manifest received, checkpoint model not yet
         self.jobs_done = 0
@@ -175,6 +178,9 @@ class AgentDaemon:
                     self.me, seg.job, spec, int(doc["shard"]), doc["shards"],
                     str(doc["model_sha256"]), self.data_dir, self.budget,
                 )  # fmt: skip
+                assert self.link is not None
+                self.endpoint = self.link.endpoint(seg.job)
+                self.link_bytes_at_job = self.link.stats.bytes_sent
         except (KeyError, TypeError, ValueError, SpecError, ShardError, DatasetError) as exc:
             self.counters.add("job_refused")
             log.error("%s refused the job: %s", self.me, exc)
@@ -210,18 +216,26 @@ class AgentDaemon:
     # -- segments ---------------------------------------------------------------
 
     def _start(self, seg: Segment) -> None:
-        assert self.link is not None and self.worker is not None
-        worker, link = self.worker, self.link
+        assert self.link is not None and self.worker is not None and self.endpoint is not None
+        worker, link, endpoint = self.worker, self.link, self.endpoint
         run = _Running(seg, threading.Thread(), acked=seg.start_round)
         halt = run.halt
         patience = 3 * worker.spec.timeout_s
-        gate = (lambda r: run.gate(r, patience)) if self.me == seg.head else None
+        every = worker.spec.checkpoint_every
+        head = self.me == seg.head
+        gate = (lambda r: run.gate(r, every, patience)) if head else None
+        uploaded = [seg.start_round]
+
+        def upload(r: int) -> None:
+            """Send the parameters at the start of round r for the checkpoint."""
+            params = worker.trainer.params
+            doc = {"round": r, "sha256": flat_sha256(params), "epoch": seg.epoch}
+            self._send(seg.job, "model", doc, flat_bytes(params), round=r)
+            uploaded[0] = r
 
         def on_round(r: int, row: dict[str, Any]) -> None:
-            if self.me == seg.head:
-                params = worker.trainer.params
-                doc = {"round": r + 1, "sha256": flat_sha256(params), "epoch": seg.epoch}
-                self._send(seg.job, "model", doc, flat_bytes(params), round=r + 1)
+            if head and (r + 1) % every == 0:
+                upload(r + 1)
             if self.me == seg.head or "accuracy" in row:
                 metrics = {k: v for k, v in row.items() if isinstance(v, int | float | str)}
                 if "accuracy" in row:
@@ -232,9 +246,14 @@ class AgentDaemon:
 
         def body() -> None:
             try:
-                result = worker.run(seg, link.endpoint(seg.job), self.codec.key or b"",
+                result = worker.run(seg, endpoint, self.codec.key or b"",
                                     self.counters, halt, on_round, gate)  # fmt: skip
+                if head and uploaded[0] != worker.committed:
+                    upload(worker.committed)  # the final state, before the bye
                 result["epoch"] = seg.epoch
+                result["ring_bytes_sent"] = endpoint.stats.bytes_sent
+                # Up to here: the bye itself and what follows are not counted.
+                result["link_bytes_sent"] = link.stats.bytes_sent - self.link_bytes_at_job
                 result["counters"] = self.counters.snapshot()
                 result["threads"] = threading.active_count()
                 self._send(seg.job, "bye", result)

@@ -60,7 +60,7 @@ class Segment:
     members: list[str]
     start_round: int
     params_sha256: str  # expected state at start_round
-    head: str  # uploads the checkpoint every round
+    head: str  # uploads the checkpoint every `checkpoint_every` rounds
 
     @property
     def channel_job(self) -> str:
@@ -130,8 +130,13 @@ class JobWorker:
             t._gen.get_state(), t._order.clone(), t._pos, t.samples_seen,
         )  # fmt: skip
         self.states.move_to_end(r)
+        # The coordinator may restart the ring from either of the two newest
+        # checkpoint rounds (the newer one's upload may not be saved yet): keep both.
+        every = self.spec.checkpoint_every
+        keep = sorted(k for k in self.states if k % every == 0)[-2:]
         while len(self.states) > KEEP_SNAPSHOTS:
-            self.states.popitem(last=False)
+            oldest = next(k for k in self.states if k not in keep)
+            del self.states[oldest]
 
     def state_sha256(self, r: int) -> str | None:
         st = self.states.get(r)

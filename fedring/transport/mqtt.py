@@ -434,7 +434,7 @@ class MqttEndpoint:
         self.link = link
         self.job = topics.check_id("job", job)
         self.name = link.me
-        self.stats = link.stats
+        self.stats = LinkStats()  # this job's ring frames only; `link.stats` counts everything
 
     def send(self, dst: str, data: bytes, deadline: Deadline) -> None:
         soon = Deadline.after(min(2.0, deadline.remaining()))
@@ -443,6 +443,9 @@ class MqttEndpoint:
         if dst not in self.link.peers():
             raise PeerUnreachable(f"{dst!r} is not online at broker {self.link.cfg.url}")
         self.link.send_to(self.job, dst, data, deadline)
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += len(data)
+        self.stats.per_peer_sent[dst] = self.stats.per_peer_sent.get(dst, 0) + len(data)
 
     def recv(self, deadline: Deadline) -> Delivery | MembershipEvent:
         while True:
@@ -457,6 +460,8 @@ class MqttEndpoint:
                 if job != self.job:
                     self.link.counters.add("frame_other_job")
                     continue
+                self.stats.frames_received += 1
+                self.stats.bytes_received += len(delivery.data)
                 return delivery
             return item
 

@@ -57,6 +57,12 @@ def test_four_agents_reach_95_percent_with_the_simulator_hash(
     assert summary["identical_models"] and summary["reformations"] == 0
     assert summary["model_hashes"] == [_fault_free_hash(job)]
     assert (tmp_path / "run" / "summary.json").exists()
+    # The last checkpoint is the agents' final model, and it ships as checked ONNX.
+    assert Checkpoint.load(tmp_path / "run").params_sha256 == summary["model_hashes"][0]
+    onnx = summary["onnx"]
+    assert onnx["checker_ok"] and onnx["max_abs_diff"] <= 1e-4
+    assert onnx["accuracy_onnx"] == summary["final_accuracy"]
+    assert (tmp_path / "run" / "model.onnx").stat().st_size == onnx["bytes"]
     _threads(summary)
 
 

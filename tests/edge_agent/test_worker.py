@@ -1,0 +1,59 @@
+"""The agent's job state: snapshots around checkpoints, and the head's checkpoint gate."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from fedring.collective import CollectiveTimeout
+from fedring.config import JobSpec
+from fedring.edge_agent.daemon import _Running
+from fedring.edge_agent.worker import KEEP_SNAPSHOTS, JobWorker, Segment
+from fedring.sim.runner import plan
+
+
+def _worker(every: int) -> JobWorker:
+    spec = JobSpec(agents=2, rounds=20, checkpoint_every=every)
+    p = plan(spec)
+    return JobWorker("a0", "job-1", spec, 0, p.manifest.to_dict(), p.model_sha256)
+
+
+def test_the_two_newest_checkpoint_rounds_outlive_the_recent_snapshots() -> None:
+    w = _worker(every=5)
+    for r in range(1, 13):
+        w.trainer.set_params(w.trainer.params + 1.0)  # a different state every round
+        w._keep(r)
+    assert 10 in w.states and len(w.states) == KEEP_SNAPSHOTS
+    assert set(w.states) == {5, 10, 11, 12}
+    for r in range(13, 16):
+        w._keep(r)
+    # 15's upload may not be saved yet: a re-formed ring could restart at 10 or 15.
+    assert set(w.states) == {10, 13, 14, 15}
+    w._keep(16)
+    assert set(w.states) == {10, 14, 15, 16}
+    assert w.restore(10) and w.committed == 10
+    assert not w.restore(12)
+
+
+def test_every_round_checkpoints_keep_only_the_recent_rounds() -> None:
+    w = _worker(every=1)
+    for r in range(1, 9):
+        w._keep(r)
+    assert set(w.states) == {5, 6, 7, 8}
+
+
+def _segment() -> Segment:
+    return Segment(job="job-1", epoch=0, members=["a0", "a1"], start_round=0,
+                   params_sha256="", head="a0")  # fmt: skip
+
+
+def test_the_head_waits_only_for_the_last_checkpoint_round() -> None:
+    run = _Running(_segment(), threading.Thread(), acked=5)
+    run.gate(9, every=5, patience=0.05)  # round 5 is saved: rounds 5..9 may run
+    with pytest.raises(CollectiveTimeout):
+        run.gate(10, every=5, patience=0.05)
+    run.ack(10)
+    run.gate(10, every=5, patience=0.05)
+    with pytest.raises(CollectiveTimeout):
+        run.gate(11, every=1, patience=0.05)
