@@ -36,6 +36,8 @@ test: lint broker
 bench: setup
 	$(BIN)/fedring bench compress --numel 10000000 --density 0.01
 	$(BIN)/fedring simulate --agents 4 --dataset digits --compression group-topk --density 0.01
+	$(BIN)/python bench/wall_time.py
+	$(BIN)/python bench/onnx_eval.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -204,22 +204,40 @@ def simulate_cmd(
     out: Path | None = typer.Option(
         None,
         "--out",
-        help="Write metrics.jsonl, config.toml, summary.json and model.onnx (checked) here.",
+        help="Write metrics.jsonl, config.toml, summary.json, model.onnx (checked), "
+        "report.md and its PNG plots here.",
+    ),
+    fleet: str | None = typer.Option(
+        None,
+        "--fleet",
+        help="Estimate wall time on boards: NAME[/wifi|/ethernet][:COUNT],... e.g. "
+        "rpi4:4,jetson-orin-nano:2 (sets --agents; see `fedring profile list`).",
+    ),
+    with_dense: bool = typer.Option(
+        False, "--with-dense", help="Also run the dense fp32 ring; report and plot it beside."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
 ) -> None:
     """Train N agents in one process over the in-process transport (real frames)."""
     given = {k: v for k, v in locals().items() if v is not None}  # before any other local
-    flags = {k: v for k, v in given.items() if k not in ("config", "out", "as_json")}
+    cli_only = ("config", "out", "as_json", "fleet", "with_dense")
+    flags = {k: v for k, v in given.items() if k not in cli_only}
     from fedring.config import JobSpec
-    from fedring.sim.report import write_outputs
+    from fedring.sim import fleet as fleet_clock
+    from fedring.sim.report import BASELINE_KEYS, dense_twin, write_outputs, write_report_for
     from fedring.sim.runner import simulate
 
     try:
+        members = fleet_clock.parse_fleet(fleet) if fleet is not None else None
+        if members is not None:
+            flags.setdefault("agents", len(members))
         spec = JobSpec.from_toml(config, flags) if config else JobSpec.from_mapping(flags)
+        if members is not None:
+            fleet_clock.check_fleet(spec, members)  # before training: size and memory
     except ValueError as exc:
-        err.print(f"[red]error: {exc}[/red]")
+        typer.echo(f"error: {exc}", err=True)  # unwrapped: the numbers stay readable
         raise typer.Exit(2) from None
+    host = fleet_clock.measure_host(spec) if members is not None else None
     with Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
         task = progress.add_task(
             f"{spec.sync} {spec.compression} N={spec.agents}", total=spec.rounds
@@ -232,15 +250,24 @@ def simulate_cmd(
         done = cli_export.export_after_run(out, spec.seed, onnx) if out is not None else None
         try:
             summary = simulate(spec, on_round=tick, on_done=done)
+            dense_spec = dense_twin(spec)
+            baseline = simulate(dense_spec) if with_dense and dense_spec != spec else None
         except (ValueError, FileNotFoundError) as exc:  # refused input: shards, model, dataset
             err.print(f"[red]error: {exc}[/red]")
             raise typer.Exit(2) from None
         except Exception as exc:
             err.print(f"[red]run failed: {type(exc).__name__}: {exc}[/red]")
             raise typer.Exit(1) from None
+    if members is not None and host is not None:
+        summary.update(fleet_clock.estimate(spec, summary, members, host))
+        if baseline is not None:
+            baseline.update(fleet_clock.estimate(dense_spec, baseline, members, host))
+    if baseline is not None:
+        summary["dense_baseline"] = {k: baseline.get(k) for k in BASELINE_KEYS}
     if out is not None:
         summary["onnx"] = onnx
         summary["outputs"] = write_outputs(out, spec, summary)
+        summary["outputs"].update(write_report_for(out, spec, summary, baseline))
     brief = {k: v for k, v in summary.items() if k not in ("rows", "manifest")}
     if as_json:
         typer.echo(json.dumps(brief, sort_keys=True))
@@ -265,6 +292,13 @@ def _simulate_table(spec: Any, r: dict[str, Any]) -> Table:
     table.add_row("identical models", str(r["identical_models"]))
     table.add_row("rollbacks", str(r["rollbacks"]))
     table.add_row("wall seconds", f"{r['wall_seconds']:.1f}")
+    if "sim_seconds" in r:
+        to_target = r["sim_seconds_to_target"]
+        table.add_row(f"simulated seconds on {r['fleet']}", f"{r['sim_seconds']:.1f}")
+        table.add_row(
+            f"simulated seconds to accuracy {r['sim_target_accuracy']}",
+            "not reached" if to_target is None else f"{to_target:.1f}",
+        )
     return table
 
 

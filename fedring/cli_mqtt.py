@@ -78,7 +78,12 @@ def agent_cmd(
     broker: str = typer.Option(..., "--broker", help=BROKER_HELP),
     agent_id: str = typer.Option(..., "--id", help="This board's id (letters, digits, _ . -)."),
     data_dir: Path | None = typer.Option(None, "--data-dir", help="Where npz:PATH datasets live."),
-    threads: int = typer.Option(1, "--threads", min=1, help="torch threads for training."),
+    profile: str = typer.Option(
+        "auto", "--profile", help="Board profile: auto (detect) or NAME[/wifi|/ethernet]."
+    ),
+    threads: int | None = typer.Option(
+        None, "--threads", min=1, help="torch threads for training. [the profile's]"
+    ),
     username: str | None = _USER,
     password_file: Path | None = _PWFILE,
     ca: Path | None = _CA,
@@ -91,15 +96,23 @@ def agent_cmd(
     Stops cleanly on SIGTERM or Ctrl-C: halts any round, publishes "offline", exits 0.
     """
     from fedring.edge_agent.daemon import AgentDaemon
+    from fedring.firmware_profiles.apply import resolve, settings_for
+    from fedring.firmware_profiles.schema import ProfileError
     from fedring.transport.mqtt import BrokerRefused, BrokerUnreachable
     from fedring.transport.topics import TopicError
 
     logging.getLogger().setLevel(min(logging.getLogger().level, logging.INFO))
     cfg = broker_config(broker, username, password_file, ca, cert, key, keepalive)
     try:
-        daemon = AgentDaemon(cfg, agent_id, data_dir=data_dir, threads=threads)
+        board, link, why = resolve(profile)
+        settings = settings_for(board, link, threads)
+        daemon = AgentDaemon(cfg, agent_id, data_dir=data_dir, profile=settings.hello(),
+                             threads=settings.torch_threads, budget=board)  # fmt: skip
+    except ProfileError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--profile") from None
     except TopicError as exc:
         raise typer.BadParameter(str(exc), param_hint="--id") from None
+    logging.getLogger(__name__).info("profile %s (%s)", board.name, why)
 
     def stop(signum: int, _frame: Any) -> None:
         daemon.stop.set()

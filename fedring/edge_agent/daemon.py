@@ -28,6 +28,7 @@ from fedring.collective.channel import CollectiveError, CollectiveTimeout
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
 from fedring.edge_agent.worker import Halted, JobRefused, JobWorker, Segment
+from fedring.firmware_profiles.schema import Profile
 from fedring.training.datasets import DatasetError
 from fedring.training.models import flat_bytes, flat_sha256
 from fedring.training.sharding import ShardError
@@ -77,11 +78,13 @@ class AgentDaemon:
         data_dir: Path | None = None,
         profile: dict[str, Any] | None = None,
         threads: int = 1,
+        budget: Profile | None = None,  # the board's profile: refuse jobs that would not fit
     ) -> None:
         self.cfg, self.me = cfg, topics.check_id("--id", me)
         self.data_dir = data_dir
         self.profile = profile or {"name": "generic", "machine": platform.machine()}
         self.threads = threads
+        self.budget = budget
         self.counters = Counters()
         self.codec = ControlCodec(me, counters=self.counters)
         self.stop = threading.Event()
@@ -173,7 +176,7 @@ class AgentDaemon:
                 spec = JobSpec.from_mapping(doc["spec"])
                 self.worker = JobWorker(
                     self.me, seg.job, spec, int(doc["shard"]), doc["shards"],
-                    str(doc["model_sha256"]), self.data_dir,
+                    str(doc["model_sha256"]), self.data_dir, self.budget,
                 )  # fmt: skip
                 assert self.link is not None
                 self.endpoint = self.link.endpoint(seg.job)

@@ -28,6 +28,8 @@ from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.collective.torus import build_ring
 from fedring.config import JobSpec
 from fedring.counters import Counters
+from fedring.firmware_profiles.apply import check_budget, dataset_bytes, estimate_memory
+from fedring.firmware_profiles.schema import Profile
 from fedring.training.datasets import load_dataset
 from fedring.training.exchange import Exchange
 from fedring.training.models import build_model, flat_sha256, param_count, params_sha256
@@ -81,7 +83,7 @@ class JobWorker:
 
     def __init__(
         self, me: str, job: str, spec: JobSpec, shard: int, manifest: dict[str, Any],
-        model_sha256: str, data_dir: Path | None = None,
+        model_sha256: str, data_dir: Path | None = None, budget: Profile | None = None,
     ) -> None:  # fmt: skip
         self.me, self.job, self.spec, self.shard = me, job, spec, shard
         dataset_spec = spec.dataset
@@ -100,6 +102,9 @@ class JobWorker:
                 f"initial model sha256 {params_sha256(model)[:12]}... != manifest "
                 f"{model_sha256[:12]}...: different torch or model code than the coordinator"
             )
+        if budget is not None:  # refuse before training, with the estimate and the budget
+            data = dataset_bytes(dataset)
+            check_budget(budget, estimate_memory(spec, model, dataset.feature_shape, data))
         self.trainer = LocalTrainer(
             model, x, y, batch_size=spec.batch_size, momentum=spec.momentum, seed=spec.seed,
             rank=shard,

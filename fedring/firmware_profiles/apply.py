@@ -144,9 +144,12 @@ def job_memory(spec: JobSpec) -> MemoryEstimate:
 
     ds = load_dataset(spec.dataset, spec.seed)
     model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
-    # An agent loads the whole dataset, then keeps its shard (see edge_agent.worker).
-    data = sum(t.numel() * t.element_size() for t in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
-    return estimate_memory(spec, model, ds.feature_shape, data)
+    return estimate_memory(spec, model, ds.feature_shape, dataset_bytes(ds))
+
+
+def dataset_bytes(ds: Any) -> int:
+    """An agent loads the whole dataset, then keeps its shard (see edge_agent.worker)."""
+    return sum(t.numel() * t.element_size() for t in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
 
 
 def check_budget(profile: Profile, estimate: MemoryEstimate) -> None:
@@ -157,3 +160,20 @@ def check_budget(profile: Profile, estimate: MemoryEstimate) -> None:
             f"job needs ~{need:.1f} MB on {profile.name} but its budget is "
             f"{profile.ram_budget_mb} MB (compute.ram_budget_mb): {estimate.describe()}"
         )
+
+
+def resolve(choice: str) -> tuple[Profile, str | None, str]:
+    """``auto`` (detect this board), or ``NAME[/wifi|/ethernet]``: (profile, link, why)."""
+    from fedring.firmware_profiles.detect import detect
+    from fedring.firmware_profiles.schema import ProfileError, load_builtin
+
+    if choice == "auto":
+        found = detect()
+        return found.profile, None, found.reason
+    name, _, link = choice.partition("/")
+    profile = load_builtin(name)
+    if link:
+        profile.link(link)  # ProfileError when the board has no such link
+    elif "/" in choice:
+        raise ProfileError(f"--profile {choice!r}: expected NAME or NAME/wifi or NAME/ethernet")
+    return profile, link or None, f"--profile {choice}"

@@ -93,7 +93,7 @@ _SCHEMA: dict[str, tuple[type | tuple[type, ...], float | None, float | None]] =
     "compression.density": (_NUM, 1e-6, 1.0),
     "compression.group_size": (int, 1, 65536),
     "compression.value_dtype": (str, None, None),
-    "runtime.max_frame_bytes": (int, 1024, 1 << 28),
+    "runtime.max_frame_bytes": (int, 8192, 1 << 28),  # wire.frame.Limits needs >= 8 KiB
     "runtime.keepalive_s": (int, 2, 600),
     "runtime.round_deadline_s": (_NUM, 0.1, 86400.0),
     "runtime.onnx_providers": (list, None, None),

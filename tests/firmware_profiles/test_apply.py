@@ -1,0 +1,82 @@
+"""Applying a profile: agent settings, the memory estimate, refusal before training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from fedring.cli import app
+from fedring.config import JobSpec
+from fedring.edge_agent import worker
+from fedring.edge_agent.worker import JobWorker
+from fedring.firmware_profiles.apply import (
+    RETRY_STATES,
+    OverBudget,
+    activation_bytes,
+    check_budget,
+    copies_per_param,
+    job_memory,
+    resolve,
+    settings_for,
+)
+from fedring.firmware_profiles.schema import ProfileError, load_builtin
+from fedring.sim.runner import plan
+from fedring.training.models import build_model
+
+runner = CliRunner()
+BIG = JobSpec(agents=4, dataset="synthetic:500:20000:10")  # 2.57 M parameters
+
+
+def test_retry_states_match_what_the_worker_keeps() -> None:
+    assert RETRY_STATES == worker.KEEP_SNAPSHOTS
+
+
+def test_settings_come_from_the_profile_and_flags_override_threads() -> None:
+    s = settings_for(load_builtin("rpi4"), "ethernet")
+    assert (s.profile, s.link, s.torch_threads, s.batch_size) == ("rpi4-4gb", "ethernet", 3, 32)
+    assert settings_for(load_builtin("rpi4"), None, threads=1).torch_threads == 1
+    assert json.loads(json.dumps(s.hello()))["max_frame_bytes"] == 262144
+    assert resolve("rpi-zero-2w")[0].round_deadline_s == 300.0
+    assert resolve("rpi4/ethernet")[1] == "ethernet"
+    with pytest.raises(ProfileError, match="no 'ethernet' link"):
+        resolve("rpi-zero-2w/ethernet")
+
+
+def test_activation_bytes_count_every_layer_output_twice() -> None:
+    model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    # Flatten 64, Linear 128, ReLU 128, Linear 64, ReLU 64, Linear 10 per example
+    assert activation_bytes(model, (1, 8, 8), 32) == (64 + 128 + 128 + 64 + 64 + 10) * 32 * 4 * 2
+
+
+def test_compression_keeps_more_copies_than_a_dense_ring() -> None:
+    dense = copies_per_param(JobSpec(compression="none"))
+    sparse = copies_per_param(JobSpec(compression="group-topk"))
+    assert (dense, sparse) == (6 + 2 * (1 + RETRY_STATES), 9 + 3 * (1 + RETRY_STATES))
+
+
+def test_a_job_too_large_for_a_zero_2w_is_refused_with_both_numbers() -> None:
+    estimate = job_memory(BIG)
+    assert estimate.params == 20000 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10
+    with pytest.raises(OverBudget) as info:
+        check_budget(load_builtin("rpi-zero-2w"), estimate)
+    text = str(info.value)
+    assert f"~{estimate.total_bytes / 2**20:.1f} MB" in text and "budget is 115 MB" in text
+    assert "2,569,034 parameters" in text
+    check_budget(load_builtin("rpi4-8gb"), estimate)  # fits there: no exception
+
+
+def test_the_agent_worker_refuses_before_training() -> None:
+    p = plan(BIG)
+    args = ("a0", "job", BIG, 0, p.manifest.to_dict(), p.model_sha256)
+    with pytest.raises(OverBudget, match="rpi-zero-2w"):
+        JobWorker(*args, budget=load_builtin("rpi-zero-2w"))
+    assert JobWorker(*args, budget=load_builtin("rpi4-8gb")).numel == 2_569_034
+
+
+def test_simulate_refuses_a_fleet_whose_board_is_too_small() -> None:
+    args = ["simulate", "--fleet", "rpi-zero-2w:4", "--dataset", "synthetic:500:20000:10"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert "budget is 115 MB" in result.output and "job needs ~" in result.output
