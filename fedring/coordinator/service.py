@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.counters import Counters
@@ -82,6 +83,7 @@ class Coordinator:
         self.hashes: dict[int, dict[str, str]] = {}
         self.epochs = 0
         self.last_row: dict[str, Any] = {}
+        self.rows: dict[int, dict[str, Any]] = {}  # the head's metrics by round (a redo replaces)
         self.refused: set[str] = set()  # agents that cannot take this job
         self.events: list[dict[str, Any]] = []  # wall-clock times of re-formations
 
@@ -245,6 +247,7 @@ class Coordinator:
                 log.error("round %d: model hashes disagree: %s", rnd, seen)
         if msg.src == ep.members[0]:
             self.last_row = row
+            self.rows[rnd] = {k: v for k, v in row.items() if k != "sha256"}
             if self.opts.on_round is not None:
                 self.opts.on_round(rnd - 1, row)
             return True
@@ -339,9 +342,25 @@ class Coordinator:
         summary["checkpoint_round"] = self.ck.round
         if self.opts.export_onnx:
             summary["onnx"] = self._export()
+        ring = [b["ring"] for b in summary["agent_bytes"].values()]
+        summary["bytes_sent_per_agent"] = sum(ring) / max(len(ring), 1)
+        summary["layout"] = layout_name(self.spec.topology, len(ep.members))
+        summary["outputs"] = self._report(summary)
         summary["coordinator_counters"] = self.counters.snapshot()
         (self.opts.out / "summary.json").write_text(_json(summary))
         return summary
+
+    def _report(self, summary: dict[str, Any]) -> dict[str, str]:
+        """metrics.jsonl (the head's rows; after `--resume`, from there on) and report.md."""
+        from fedring.sim.report import write_report_for
+
+        rows = [self.rows[r] for r in sorted(self.rows)]
+        metrics = self.opts.out / "metrics.jsonl"
+        metrics.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
+        spec = self.spec.replace(agents=len(summary["members"]))
+        command = f"fedring coordinator run (job {summary['job']})"
+        paths = write_report_for(self.opts.out, spec, {**summary, "rows": rows}, command=command)
+        return {"metrics": str(metrics), "summary": str(self.opts.out / "summary.json"), **paths}
 
     def _export(self) -> dict[str, Any]:
         """Export the final checkpoint; a failed check is reported, not raised."""

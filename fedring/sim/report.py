@@ -63,7 +63,8 @@ def run_name(spec: JobSpec) -> str:
 
 
 def write_report_for(
-    out: Path, spec: JobSpec, summary: dict[str, Any], baseline: dict[str, Any] | None = None
+    out: Path, spec: JobSpec, summary: dict[str, Any], baseline: dict[str, Any] | None = None,
+    *, command: str = "fedring simulate",
 ) -> dict[str, str]:
     """`report.md` and plots for a simulate run, beside its dense baseline when one ran."""
     from fedring.coordinator.report import write_report
@@ -85,5 +86,5 @@ def write_report_for(
         )
     elif "error" in onnx:
         notes.append(f"ONNX export FAILED its checks: {onnx['error']}")
-    title = f"fedring simulate: {name}" + (" beside a dense fp32 ring" if baseline else "")
+    title = f"{command}: {name}" + (" beside a dense fp32 ring" if baseline else "")
     return write_report(out, runs, title=title, summaries=summaries, notes=notes)

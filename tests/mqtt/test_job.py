@@ -63,6 +63,12 @@ def test_four_agents_reach_95_percent_with_the_simulator_hash(
     assert onnx["checker_ok"] and onnx["max_abs_diff"] <= 1e-4
     assert onnx["accuracy_onnx"] == summary["final_accuracy"]
     assert (tmp_path / "run" / "model.onnx").stat().st_size == onnx["bytes"]
+    # The report: every round's row, and plots that exist.
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == summary["rounds"]
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "curves_rounds.png" in report and "ONNX" in report
+    assert (tmp_path / "run" / "curves_rounds.png").stat().st_size > 1000
     _threads(summary)
 
 
