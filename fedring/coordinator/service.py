@@ -83,6 +83,7 @@ class Coordinator:
         self.hashes: dict[int, dict[str, str]] = {}
         self.epochs = 0
         self.last_row: dict[str, Any] = {}
+        self.step_s: dict[str, float] = {}  # each agent's measured step of this job's model
         self.rows: dict[int, dict[str, Any]] = {}  # the head's metrics by round (a redo replaces)
         self.refused: set[str] = set()  # agents that cannot take this job
         self.events: list[dict[str, Any]] = []  # wall-clock times of re-formations
@@ -152,7 +153,30 @@ class Coordinator:
         return set(self.hellos) & set(self.link.peers())
 
     def _order(self, agents: set[str]) -> list[str]:
-        return sorted(agents, key=lambda a: (-float(self.hellos[a].get("link_bps", 0.0)), a))
+        """Fastest link first; between equal links, the faster board (its measured
+        step of this job's model once known, else the hello's generic step)."""
+
+        def key(a: str) -> tuple[float, float, str]:
+            step = self.step_s.get(a, float(self.hellos[a].get("step_s", 0.0)))
+            return -self._link(a), step, a
+
+        return sorted(agents, key=key)
+
+    def _link(self, agent: str) -> float:
+        return float(self.hellos.get(agent, {}).get("link_bps", 0.0))
+
+    def round_estimate(self, members: list[str]) -> float:
+        """Seconds a ring round should take: the slowest member's step, plus the ring's
+        2(N-1) steps of one dense payload's share over the slowest measured link (an
+        upper bound: compression only makes the payload smaller)."""
+        if not members or self.ck is None or self.ck.params is None:
+            return 0.0
+        n = len(members)
+        step = max((self.step_s.get(a, 0.0) for a in members), default=0.0)
+        links = [self._link(a) for a in members]
+        bps = min((b for b in links if b > 0), default=0.0)
+        share = 4 * self.ck.params.numel() * 2 * (n - 1) / n
+        return step + (share / bps if bps else 0.0)
 
     def _members(self) -> list[str]:
         assert self.ck is not None
@@ -178,7 +202,7 @@ class Coordinator:
             if ck.params is not None:
                 blob = ck.params.numpy().astype("<f4").tobytes()
                 self._send(agent, "model", {"round": ck.round}, blob, round=ck.round)
-        stall = self.opts.stall_s or 3 * self.spec.timeout_s
+        stall = self._stall(ep.members)
         acks_by = Deadline.after(self.opts.ack_timeout_s)
         progress = Deadline.after(stall)
         while True:
@@ -190,6 +214,7 @@ class Coordinator:
             if progress.expired:
                 self.counters.add("stalled")
                 return self._reform(ep, f"no progress for {stall:g} s")
+            stall = self._stall(ep.members)  # the probes arrive with the acks
             item = self._next(0.5)
             if item is None:
                 continue
@@ -198,6 +223,11 @@ class Coordinator:
                 progress = Deadline.after(stall)
             if why:
                 return self._reform(ep, why)
+
+    def _stall(self, members: list[str]) -> float:
+        """How long without progress ends the epoch: `stall_s` if set, else 3 ring-step
+        deadlines, or 20 estimated rounds where the probes say a round is that slow."""
+        return self.opts.stall_s or max(3 * self.spec.timeout_s, 20 * self.round_estimate(members))
 
     def _on_item(self, ep: _Epoch, item: Control) -> tuple[str, bool]:
         """(reason to re-form or "", whether the job moved forward)."""
@@ -220,6 +250,9 @@ class Coordinator:
             return "", False  # a late word from an earlier epoch
         if msg.kind == "ack":
             ep.acks.add(msg.src)
+            step = msg.doc.get("step_s")
+            if isinstance(step, float) and step >= 0:
+                self.step_s[msg.src] = step
         elif msg.kind == "nack":
             self.counters.add("agent_nack")
             if str(msg.doc.get("why", "")).startswith("refused"):
@@ -325,6 +358,9 @@ class Coordinator:
             "reformations": self.epochs,
             "events": self.events,
             "agent_threads": {a: d.get("threads", 0) for a, d in ep.done.items()},
+            "probe": {a: {"step_s": self.step_s.get(a), "link_bps": self._link(a)}
+                      for a in ep.members},
+            "round_estimate_s": self.round_estimate(ep.members),
             "wall_seconds": wall,
             "checkpoint": str(self.opts.out / "checkpoint.pt"),
             "coordinator_counters": self.counters.snapshot(),

@@ -14,8 +14,10 @@ The rounds themselves are `training.sync.run_agent`, the same code as
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,6 +116,7 @@ class JobWorker:
         self.exchange: Exchange | None = None
         self.states: OrderedDict[int, _State] = OrderedDict()
         self.committed = 0  # rounds completed in the current state
+        self.step_s = probe_step(model, x, y, self.trainer.batch_size)
         self._keep(0)
 
     # -- state ------------------------------------------------------------------
@@ -216,3 +219,18 @@ class JobWorker:
             "sha256": params_sha256(self.trainer.model),
             "rollbacks": result.rollbacks,
         }
+
+
+def probe_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int,
+               steps: int = 3) -> float:  # fmt: skip
+    """Seconds per training step (forward, backward) of this job's model on this
+    board, measured on a copy so the job's state and random streams stay untouched."""
+    twin = copy.deepcopy(model)
+    xb, yb = x[:batch], y[:batch]
+    best = float("inf")
+    for _ in range(steps + 1):  # the first step warms up the allocator
+        start = time.perf_counter()
+        twin.zero_grad()
+        torch.nn.functional.cross_entropy(twin(xb), yb).backward()
+        best = min(best, time.perf_counter() - start)
+    return best

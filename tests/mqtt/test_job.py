@@ -69,6 +69,11 @@ def test_four_agents_reach_95_percent_with_the_simulator_hash(
     report = (tmp_path / "run" / "report.md").read_text()
     assert "curves_rounds.png" in report and "ONNX" in report
     assert (tmp_path / "run" / "curves_rounds.png").stat().st_size > 1000
+    # Every member measured a step of the job's model and its link to the broker.
+    probe = summary["probe"]
+    assert set(probe) == set(summary["members"])
+    assert all(0 < p["step_s"] < 5 and p["link_bps"] > 0 for p in probe.values())
+    assert summary["round_estimate_s"] > 0
     _threads(summary)
 
 

@@ -1,0 +1,56 @@
+"""How the coordinator orders the ring and sizes its patience from the agents' probes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fedring.config import JobSpec
+from fedring.coordinator.checkpoint import Checkpoint
+from fedring.coordinator.service import Coordinator, Options
+from fedring.edge_agent.worker import probe_step
+from fedring.training.models import build_model
+from fedring.transport.mqtt import BrokerConfig
+
+
+def _coordinator(tmp_path: Path) -> Coordinator:
+    cfg = BrokerConfig.parse("mqtt://127.0.0.1:1883")
+    return Coordinator(JobSpec(agents=3, timeout_s=1.0), cfg, Options(out=tmp_path))
+
+
+def test_fastest_link_first_then_the_faster_board(tmp_path: Path) -> None:
+    c = _coordinator(tmp_path)
+    c.hellos = {
+        "slow-link": {"link_bps": 1e6, "step_s": 0.001},
+        "fast-a": {"link_bps": 5e6, "step_s": 0.001},
+        "fast-b": {"link_bps": 5e6, "step_s": 0.002},
+    }
+    assert c._order(set(c.hellos)) == ["fast-a", "fast-b", "slow-link"]
+    c.step_s = {"fast-a": 0.3, "fast-b": 0.01}  # the job's own model: b is faster
+    assert c._order(set(c.hellos)) == ["fast-b", "fast-a", "slow-link"]
+
+
+def test_patience_grows_with_a_slow_probed_round(tmp_path: Path) -> None:
+    c = _coordinator(tmp_path)
+    c.hellos = {a: {"link_bps": 1e5} for a in ("a", "b")}
+    c.ck = Checkpoint(job="j", key=b"k" * 32, spec={}, shards={"a": 0, "b": 1},
+                      model_sha256="", shard_manifest={}, epoch=0, round=1,
+                      params=torch.zeros(250_000))  # fmt: skip
+    c.step_s = {"a": 0.5, "b": 2.0}
+    # 2.0 s of compute + 1 MB x 2(N-1)/N = 1 MB over 100 kB/s = 10 s
+    assert abs(c.round_estimate(["a", "b"]) - 12.0) < 1e-9
+    assert c._stall(["a", "b"]) == 240.0  # 20 rounds, above 3 x timeout_s
+    c.step_s = {}
+    c.hellos = {a: {"link_bps": 1e9} for a in ("a", "b")}
+    assert c._stall(["a", "b"]) == 3.0  # fast fleet: 3 ring-step deadlines
+
+
+def test_probe_step_measures_without_touching_the_model() -> None:
+    model = build_model("mlp", (64,), 10, seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(40, 64), torch.randint(0, 10, (40,))
+    step = probe_step(model, x, y, batch=32)
+    assert 0 < step < 5
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
