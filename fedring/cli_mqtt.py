@@ -72,6 +72,10 @@ _KEY = typer.Option(None, "--key", help="Client private key (TLS client auth).")
 _KEEPALIVE = typer.Option(
     5, "--keepalive", min=2, max=600, help="MQTT keep-alive, seconds; loss is seen within 1.5x."
 )
+_AGENT_KEEPALIVE = typer.Option(
+    None, "--keepalive", min=2, max=600,
+    help="MQTT keep-alive, seconds; loss is seen within 1.5x. [the profile's]",
+)  # fmt: skip
 
 
 def agent_cmd(
@@ -89,7 +93,7 @@ def agent_cmd(
     ca: Path | None = _CA,
     cert: Path | None = _CERT,
     key: Path | None = _KEY,
-    keepalive: int = _KEEPALIVE,
+    keepalive: int | None = _AGENT_KEEPALIVE,
 ) -> None:
     """Run the agent daemon: enrol with the broker, train when a coordinator calls.
 
@@ -102,10 +106,11 @@ def agent_cmd(
     from fedring.transport.topics import TopicError
 
     logging.getLogger().setLevel(min(logging.getLogger().level, logging.INFO))
-    cfg = broker_config(broker, username, password_file, ca, cert, key, keepalive)
     try:
         board, link, why = resolve(profile)
         settings = settings_for(board, link, threads)
+        cfg = broker_config(broker, username, password_file, ca, cert, key,
+                            keepalive or settings.keepalive_s)  # fmt: skip
         daemon = AgentDaemon(cfg, agent_id, data_dir=data_dir, profile=settings.hello(),
                              threads=settings.torch_threads, budget=board)  # fmt: skip
     except ProfileError as exc:

@@ -197,6 +197,7 @@ class Coordinator:
                 "head": head, "shard": ck.shards[agent], "spec": ck.spec,
                 "shards": ck.shard_manifest, "model_sha256": ck.model_sha256,
                 "start_round": ep.start, "params_sha256": ck.params_sha256,
+                "max_frame_bytes": self._frame_bytes(ep.members),
             }  # fmt: skip
             self._send(agent, "manifest", doc, sign=False)
             if ck.params is not None:
@@ -224,10 +225,24 @@ class Coordinator:
             if why:
                 return self._reform(ep, why)
 
+    def _profile(self, agent: str, field: str) -> float:
+        value = self.hellos.get(agent, {}).get("profile", {}).get(field, 0)
+        return float(value) if isinstance(value, int | float) else 0.0
+
+    def _frame_bytes(self, members: list[str]) -> int:
+        """The ring's frame size: the smallest any member's board profile allows
+        (0 leaves the default), so every member can take every frame."""
+        sizes = [int(self._profile(a, "max_frame_bytes")) for a in members]
+        return min((b for b in sizes if b >= 8192), default=0)
+
     def _stall(self, members: list[str]) -> float:
-        """How long without progress ends the epoch: `stall_s` if set, else 3 ring-step
-        deadlines, or 20 estimated rounds where the probes say a round is that slow."""
-        return self.opts.stall_s or max(3 * self.spec.timeout_s, 20 * self.round_estimate(members))
+        """How long without progress ends the epoch: `stall_s` if set, else the longest
+        of 3 ring-step deadlines, 20 estimated rounds (from the probes), and the slowest
+        member's profile round deadline."""
+        profiles = max((self._profile(a, "round_deadline_s") for a in members), default=0.0)
+        return self.opts.stall_s or max(
+            3 * self.spec.timeout_s, 20 * self.round_estimate(members), profiles
+        )
 
     def _on_item(self, ep: _Epoch, item: Control) -> tuple[str, bool]:
         """(reason to re-form or "", whether the job moved forward)."""

@@ -169,6 +169,7 @@ class AgentDaemon:
                 job=topics.check_id("job", str(doc["job"])), epoch=int(doc["epoch"]),
                 members=[str(m) for m in doc["members"]], start_round=int(doc["start_round"]),
                 params_sha256=str(doc.get("params_sha256", "")), head=str(doc["head"]),
+                max_frame_bytes=int(doc.get("max_frame_bytes", 0)),
             )  # fmt: skip
             if self.me not in seg.members:
                 raise JobRefused(f"{self.me} is not among the members {seg.members}")

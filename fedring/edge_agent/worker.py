@@ -39,6 +39,7 @@ from fedring.training.sharding import ShardManifest, make_shards, shard_data, ve
 from fedring.training.sync import AgentContext, run_agent
 from fedring.training.trainer import LocalTrainer
 from fedring.transport.base import Endpoint
+from fedring.wire.frame import FrameLimits
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class Segment:
     start_round: int
     params_sha256: str  # expected state at start_round
     head: str  # uploads the checkpoint every `checkpoint_every` rounds
+    max_frame_bytes: int = 0  # the ring's frame size (the smallest member's); 0: the default
 
     @property
     def channel_job(self) -> str:
@@ -186,7 +188,9 @@ class JobWorker:
     ) -> dict[str, Any]:
         """Run rounds from `seg.start_round` to the end; raise `CollectiveError` if cut."""
         spec = self.spec.replace(agents=len(seg.members))
-        channel = PeerChannel(endpoint, seg.channel_job, key=key, counters=counters)
+        limits = FrameLimits(max_frame_bytes=seg.max_frame_bytes) if seg.max_frame_bytes else None
+        channel = PeerChannel(endpoint, seg.channel_job, key=key, counters=counters,
+                              limits=limits)  # fmt: skip
         ring = build_ring(channel, tuple(seg.members), spec.topology, spec.timeout_s)
         if self.exchange is None:
             self.exchange = Exchange.build(ring, spec, self.numel)

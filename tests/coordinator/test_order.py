@@ -54,3 +54,15 @@ def test_probe_step_measures_without_touching_the_model() -> None:
     assert 0 < step < 5
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_smallest_board_frame_size_and_the_slowest_deadline_rule(tmp_path: Path) -> None:
+    c = _coordinator(tmp_path)
+    c.hellos = {
+        "pi": {"profile": {"max_frame_bytes": 65536, "round_deadline_s": 90.0}},
+        "x86": {"profile": {"max_frame_bytes": 262144, "round_deadline_s": 30.0}},
+        "old": {"profile": {"max_frame_bytes": "garbage"}},  # ignored, not trusted
+    }
+    assert c._frame_bytes(["pi", "x86", "old"]) == 65536
+    assert c._frame_bytes(["old"]) == 0  # no usable figure: the default
+    assert c._stall(["pi", "x86"]) == 90.0  # the Pi's round deadline beats 3 x 1 s

@@ -57,3 +57,33 @@ def test_the_head_waits_only_for_the_last_checkpoint_round() -> None:
     run.gate(10, every=5, patience=0.05)
     with pytest.raises(CollectiveTimeout):
         run.gate(11, every=1, patience=0.05)
+
+
+def test_the_ring_frame_size_from_the_manifest_is_used() -> None:
+    """A board that takes at most 8 KiB frames gets a dense 69 KB model in parts."""
+    from fedring.counters import Counters
+    from fedring.transport.inproc import InprocTransport
+
+    spec = JobSpec(agents=2, rounds=2, compression="none", eval_every=2)
+    p = plan(spec)
+    hub = InprocTransport()
+    workers = [JobWorker(f"a{i}", "job-1", spec, i, p.manifest.to_dict(), p.model_sha256)
+               for i in range(2)]  # fmt: skip
+    ends = [hub.connect(w.me) for w in workers]
+    results: list[dict] = [{}, {}]
+
+    def run(i: int) -> None:
+        seg = Segment(job="job-1", epoch=0, members=["a0", "a1"], start_round=0,
+                      params_sha256="", head="a0", max_frame_bytes=8192)  # fmt: skip
+        results[i] = workers[i].run(seg, ends[i], b"k" * 32, Counters(), threading.Event(),
+                                    lambda r, row: None)  # fmt: skip
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results[0]["sha256"] == results[1]["sha256"] and results[0]["rounds"] == 2
+    # 2 rounds x 2 ring steps, each half of 69 KB in 8 KiB frames: > 4 frames each.
+    assert all(e.stats.frames_sent >= 2 * 2 * 4 for e in ends)
+    assert all(e.stats.bytes_sent / e.stats.frames_sent <= 8192 for e in ends)
