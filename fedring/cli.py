@@ -23,6 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fedring import __version__, cli_mqtt
+from fedring.cli_flower import flower_app
 
 app = typer.Typer(
     help="Train one PyTorch model across edge boards: group-top-k + error feedback, "
@@ -38,6 +39,7 @@ bench_app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 app.command("agent")(cli_mqtt.agent_cmd)
 app.add_typer(cli_mqtt.coordinator_app, name="coordinator")
+app.add_typer(flower_app, name="flower")
 err = Console(stderr=True)
 
 
