@@ -96,6 +96,7 @@ def run_child(
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, **QUIET_ENV, **(env or {})},
         )  # fmt: skip
+        (out / "flower.pid").write_text(str(proc.pid))  # the session id of everything it starts
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

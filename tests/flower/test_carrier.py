@@ -21,12 +21,12 @@ def test_round_trip_is_bit_exact() -> None:
 
 def test_large_payload_is_split_and_rejoined() -> None:
     x = torch.randn(200_000, generator=torch.Generator().manual_seed(2))
-    frames = carrier.pack(DenseCodec("fp32").compress(x), src="server", dst="*", round=0,
-                          phase="params")  # fmt: skip
+    frames = carrier.pack(
+        DenseCodec("fp32").compress(x), src="server", dst="*", round=0, phase="params"
+    )
     assert len(frames) > 1  # 800 kB of fp32 in frames of at most 256 KiB
     assert all(len(f) <= FrameLimits().max_frame_bytes for f in frames)
-    got = carrier.unpack(frames, src="server", dst="node-0", round=0, phase="params",
-                         numel=200_000)  # fmt: skip
+    got = carrier.unpack(frames, src="server", dst="node-0", round=0, phase="params", numel=200_000)
     assert torch.equal(got.decompress(), x)
 
 

@@ -49,10 +49,19 @@ def test_replayed_steps_equal_the_in_process_ring(n: int) -> None:
 def test_flower_relay_equals_in_process_ring(tmp_path: Path) -> None:
     """Real simulation engine: 3 SuperNodes, one relayed bounded ring of group-top-k inputs."""
     n = 3
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "FEDRING_FLOWER_CLIENTS": str(n)}  # fmt: skip
-    summary = simulate_apps("tests.flower.ring_apps:server", "tests.flower.ring_apps:client", n,
-                            tmp_path, timeout_s=240, cpus=2, env=env)  # fmt: skip
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "FEDRING_FLOWER_CLIENTS": str(n),
+    }
+    summary = simulate_apps(
+        "tests.flower.ring_apps:server",
+        "tests.flower.ring_apps:client",
+        n,
+        tmp_path,
+        timeout_s=240,
+        cpus=2,
+        env=env,
+    )
     want, payload_bytes = in_process(n)
     got = {int(r): tuple(h) for r, h in summary["by_rank"].items()}
     assert got == want
