@@ -13,18 +13,32 @@ fedring frames (`fedring.flower.carrier`); no pickle anywhere.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedring.flower import carrier
+from fedring.compression.payload import Payload
+from fedring.flower import carrier, ring_relay
 from fedring.flower.job import spec_from_config
-from fedring.flower.node import NodeState, OutOfSync, apply_downlink, enrol, train_round
+from fedring.flower.node import (
+    NodeState,
+    OutOfSync,
+    apply_downlink,
+    apply_sum,
+    enrol,
+    evaluate,
+    ring_weight,
+    train_round,
+)
+from fedring.training.models import flat_sha256
 from fedring.training.sharding import ShardManifest
 
 SERVER = "server"
 _ARRAYS, _META, _JOB = "fedring.node", "fedring.meta", "fedring.job"
+_SIZES, _RING = "fedring.sizes", "fedring.ring-round"
 
 app = ClientApp()
 
@@ -53,6 +67,7 @@ def enrol_node(msg: Message, context: Context) -> Message:
     state = enrol(spec, _partition(context), manifest, str(plan["model_sha256"]))
     _store(context, state)
     context.state[_JOB] = ConfigRecord(dict(job))
+    context.state[_SIZES] = ConfigRecord({"sizes": list(manifest.sizes)})
     reply = ConfigRecord({"rank": state.rank, "samples": manifest.sizes[state.rank]})
     return Message(RecordDict({"enrol": reply}), reply_to=msg)
 
@@ -86,8 +101,44 @@ def train(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"fedring": reply}), reply_to=msg)
 
 
+@app.train(ring_relay.ACTION)
+def ring_round(msg: Message, context: Context) -> Message:
+    """One step of a ring relayed by the ServerApp (see `fedring.flower.ring_relay`)."""
+    torch.set_num_threads(1)
+    spec = spec_from_config(context.state.config_records[_JOB])
+    sizes = [int(v) for v in context.state.config_records[_SIZES]["sizes"]]  # type: ignore[union-attr]
+    state = _load(context)
+    if "fedring" in msg.content.config_records:  # step 0: this round's lr and evaluation
+        context.state[_RING] = ConfigRecord(dict(msg.content.config_records["fedring"]))
+    info: Any = context.state.config_records[_RING]
+    r = int(msg.content.config_records["ring"]["round"])  # type: ignore[arg-type]
+
+    def make_input(members: list[int]) -> Payload:
+        nonlocal state
+        retry = ring_relay.unfinished_input(context, r, node_name(state.rank))
+        if retry is not None:  # an earlier try of this round broke: its update is not lost
+            retry.add_to(state.residual)
+        weight = ring_weight(spec, sizes, members, state.rank)
+        state, result = train_round(spec, state, float(info["lr"]), scale=weight)
+        info["loss"] = result.loss
+        return result.payload
+
+    def on_result(total: torch.Tensor, kept: torch.Tensor) -> dict[str, Any]:
+        apply_sum(spec, state, total, kept, float(info["lr"]))
+        out: dict[str, Any] = {"model_sha256": flat_sha256(state.params), "loss": info["loss"]}
+        if info["evaluate"]:
+            out["test_loss"], out["accuracy"] = evaluate(spec, state)
+        return out
+
+    reply = ring_relay.handle(msg, context, state.rank, make_input, on_result)
+    _store(context, state)
+    context.state[_RING] = info
+    return reply
+
+
 def _store(context: Context, s: NodeState) -> None:
-    arrays = {"params": s.params, "residual": s.residual, "rng": s.rng, "order": s.order}
+    arrays = {"params": s.params, "residual": s.residual, "velocity": s.velocity, "rng": s.rng,
+              "order": s.order}  # fmt: skip
     context.state[_ARRAYS] = ArrayRecord({k: Array(v.numpy()) for k, v in arrays.items()})
     context.state[_META] = ConfigRecord(
         {"rank": s.rank, "pos": s.pos, "samples_seen": s.samples_seen}
@@ -104,6 +155,6 @@ def _load(context: Context) -> NodeState:
         return torch.from_numpy(np.array(a[name].numpy()))  # a writable copy
 
     return NodeState(
-        int(m["rank"]), tensor("params"), tensor("residual"), tensor("rng"),  # type: ignore[arg-type]
-        tensor("order"), int(m["pos"]), int(m["samples_seen"]),  # type: ignore[arg-type]
+        int(m["rank"]), tensor("params"), tensor("residual"), tensor("velocity"),  # type: ignore[arg-type]
+        tensor("rng"), tensor("order"), int(m["pos"]), int(m["samples_seen"]),  # type: ignore[arg-type]
     )  # fmt: skip

@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from fedring.aggregation.rules import Aggregation
+from fedring.aggregation.rules import Aggregation, capped_weights
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import Payload
@@ -41,6 +41,7 @@ class NodeState:
     rank: int
     params: torch.Tensor  # the global model as this node holds it (flat float32)
     residual: torch.Tensor  # error feedback (zeros when off)
+    velocity: torch.Tensor  # the relayed ring's dense sync momentum (zeros otherwise)
     rng: torch.Tensor  # the batch sampler's generator state (uint8)
     order: torch.Tensor  # the current epoch's permutation (int64)
     pos: int
@@ -75,13 +76,16 @@ def enrol(spec: JobSpec, rank: int, manifest: ShardManifest, model_sha256: str) 
             f"node {rank}: initial model sha256 {got[:12]}... != ServerApp's "
             f"{model_sha256[:12]}...; refusing to train from a different start"
         )
-    return _save(trainer, rank, torch.zeros_like(trainer.params))
+    zeros = torch.zeros_like(trainer.params)
+    return _save(trainer, rank, zeros, zeros.clone())
 
 
-def _save(trainer: LocalTrainer, rank: int, residual: torch.Tensor) -> NodeState:
+def _save(
+    trainer: LocalTrainer, rank: int, residual: torch.Tensor, velocity: torch.Tensor
+) -> NodeState:
     return NodeState(
-        rank, trainer.params, residual, trainer._gen.get_state(), trainer._order.clone(),
-        trainer._pos, trainer.samples_seen,
+        rank, trainer.params, residual, velocity, trainer._gen.get_state(),
+        trainer._order.clone(), trainer._pos, trainer.samples_seen,
     )  # fmt: skip
 
 
@@ -122,8 +126,11 @@ def apply_downlink(state: NodeState, update: Payload | None, params: Payload | N
         )
 
 
-def train_round(spec: JobSpec, state: NodeState, lr: float) -> tuple[NodeState, RoundResult]:
-    """One round from the held global model; returns the new state and the update."""
+def train_round(
+    spec: JobSpec, state: NodeState, lr: float, scale: float = 1.0
+) -> tuple[NodeState, RoundResult]:
+    """One round from the held global model; returns the new state and the update
+    (times `scale`: the relayed ring sums, so each node sends its weighted share)."""
     trainer = _restore(spec, state)
     before = trainer.samples_seen
     anchor = state.params.clone()
@@ -137,7 +144,9 @@ def train_round(spec: JobSpec, state: NodeState, lr: float) -> tuple[NodeState, 
             trainer.step(g, lr)
             losses.append(step_loss)
         loss, vec = sum(losses) / len(losses), trainer.params - anchor
-        trainer.set_params(anchor)  # the global model moves only by the ServerApp's downlink
+        trainer.set_params(anchor)  # the global model moves only by what all nodes agree on
+    if scale != 1.0:
+        vec = vec * scale
     ef = None
     if spec.error_feedback:
         ef = ErrorFeedback(vec.numel())
@@ -151,5 +160,34 @@ def train_round(spec: JobSpec, state: NodeState, lr: float) -> tuple[NodeState, 
     else:
         payload, error = compress_update(vec, _compressor(spec), ef)
     residual = ef.residual if ef is not None else state.residual
-    new = _save(trainer, state.rank, residual)
+    new = _save(trainer, state.rank, residual, state.velocity)
     return new, RoundResult(payload, loss, trainer.samples_seen - before, error)
+
+
+def ring_weight(spec: JobSpec, sizes: list[int], members: list[int], rank: int) -> float:
+    """This node's share of the ring's sum: 1/N, or its capped manifest weight."""
+    if Aggregation.parse(spec.aggregation).kind == "weighted":
+        weights = capped_weights([sizes[m] for m in members], spec.weight_cap)
+        return float(weights[members.index(rank)])
+    return 1.0 / len(members)
+
+
+def apply_sum(spec: JobSpec, state: NodeState, total: torch.Tensor, kept: torch.Tensor,
+              lr: float) -> None:  # fmt: skip
+    """Move the held model by the ring's sum, as every member does with the same bits."""
+    if spec.error_feedback:
+        state.residual.add_(kept)  # what the bounded ring's re-selections dropped
+    if spec.sync != "sync":
+        state.params.add_(total)
+    elif spec.compressed_sync:  # plain EF-SGD
+        state.params.sub_(total, alpha=lr)
+    else:
+        state.velocity.mul_(spec.momentum).add_(total)
+        state.params.sub_(state.velocity, alpha=lr)
+
+
+def evaluate(spec: JobSpec, state: NodeState) -> tuple[float, float]:
+    """Loss and accuracy of the held model on the job's test set."""
+    ds, _ = _data(spec.dataset, spec.seed, spec.agents, spec.sharding)
+    trainer = _restore(spec, state)
+    return trainer.evaluate(ds.x_test, ds.y_test)

@@ -37,6 +37,7 @@ from fedring.compression.quantize import DenseChunk
 from fedring.compression.sparse import SparseGroups
 from fedring.flower import carrier
 from fedring.transport.base import Delivery
+from fedring.wire.frame import decode_frame
 
 ACTION = "ring"  # message type "train.ring"
 _STATE = "fedring.ring"
@@ -58,7 +59,7 @@ class StepOutput:
 
 def node_step(
     members: Sequence[str],
-    rank: int,
+    position: int,
     own: Payload,
     received: list[bytes],
     sent_before: int,
@@ -66,7 +67,7 @@ def node_step(
     policy: SparsePolicy = "bounded",
 ) -> StepOutput:
     """Replay this node's ring over the frames `received` so far (see module doc)."""
-    me, left = members[rank], members[(rank - 1) % len(members)]
+    me, left = members[position], members[(position - 1) % len(members)]
     box = carrier.Mailbox(me, left)
     box.inbox.extend(Delivery(left, f) for f in received)
     ring = Ring(PeerChannel(box, carrier.JOB), tuple(members), timeout_s=0.0)
@@ -84,25 +85,34 @@ def node_step(
     return StepOutput(box.outbox[sent_before:], result)
 
 
+def member_name(rank: int) -> str:
+    return f"node-{rank}"
+
+
 def handle(
     msg: Message,
     context: Context,
-    members: Sequence[str],
     rank: int,
-    make_input: Callable[[], Payload],
+    make_input: Callable[[list[int]], Payload],
     on_result: Callable[[torch.Tensor, torch.Tensor], dict[str, Any]],
 ) -> Message:
     """One relayed step on the node (inside a ClientApp's ``train.ring`` function).
 
-    Step 0 calls `make_input` (e.g. compress this round's update with error
-    feedback) and keeps it, as frames, in `Context.state`; the last step calls
-    `on_result(sum, kept)`, whose values ride in the last reply.
+    The message names the ring (`members`: ranks in ring order, which may be the
+    survivors of a broken ring). Step 0 calls ``make_input(members)`` (e.g. compress
+    this round's update, scaled by 1/len(members), with error feedback) and keeps it,
+    as frames, in `Context.state`; the last step calls ``on_result(sum, kept)``,
+    whose values ride in the last reply.
     """
     cfg: Any = msg.content.config_records["ring"]
     r, step, numel = int(cfg["round"]), int(cfg["step"]), int(cfg["numel"])
-    me = members[rank]
+    ranks = [int(m) for m in cfg["members"]]
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not in the ring {ranks}")
+    members = [member_name(m) for m in ranks]
+    me = member_name(rank)
     if step == 0:
-        own_frames = carrier.pack(make_input(), src=me, dst=me, round=r, phase="own")
+        own_frames = carrier.pack(make_input(ranks), src=me, dst=me, round=r, phase="own")
         received: list[bytes] = []
         sent = 0
     else:
@@ -114,10 +124,11 @@ def handle(
         own_frames, received, sent = list(kept["own"]), list(kept["received"]), int(kept["sent"])
     received += list(cfg["frames"])
     own = carrier.unpack(own_frames, src=me, dst=me, round=r, phase="own", numel=numel)
-    out = node_step(members, rank, own, received, sent, r, str(cfg["policy"]))  # type: ignore[arg-type]
-    context.state[_STATE] = ConfigRecord(
-        {"own": own_frames, "received": received, "sent": sent + len(out.frames), "round": r}
-    )
+    position = ranks.index(rank)
+    out = node_step(members, position, own, received, sent, r, str(cfg["policy"]))  # type: ignore[arg-type]
+    context.state[_STATE] = ConfigRecord({"own": own_frames, "received": received, "round": r,
+                                          "sent": sent + len(out.frames),
+                                          "done": out.result is not None})  # fmt: skip
     reply = ConfigRecord(
         {"round": r, "step": step, "rank": rank, "frames": out.frames, "done": False}
     )
@@ -127,29 +138,45 @@ def handle(
     return Message(RecordDict({"ring": reply}), reply_to=msg)
 
 
+def unfinished_input(context: Context, round: int, me: str) -> Payload | None:
+    """This node's input to an earlier, broken try of `round` (to put back into its
+    error feedback before the retry), or None."""
+    kept: Any = context.state.config_records.get(_STATE)
+    if kept is None or kept["round"] != round or kept["done"]:
+        return None
+    own = list(kept["own"])
+    return carrier.unpack(own, src=me, dst=me, round=round, phase="own", numel=_numel(own))
+
+
+def _numel(frames: list[bytes]) -> int:
+    return int(decode_frame(frames[0]).meta["numel"])
+
+
 def relay(
     grid: Grid,
-    nodes: Sequence[int],
+    ring: Sequence[tuple[int, int]],
     round: int,
     numel: int,
     timeout_s: float,
     policy: str = "bounded",
     extra: dict[int, ConfigRecord] | None = None,
 ) -> dict[int, ConfigRecord]:
-    """Drive one ring all-reduce among `nodes`; return each node's last reply (with what
-    its `on_result` added). The ring order is the nodes' ranks, which they report in
-    step 0. `extra[node]` rides along with step 0 (e.g. the last round's downlink).
+    """Drive one ring all-reduce over `ring`, (node id, rank) pairs in ring order;
+    return each node's last reply (with what its `on_result` added).
+
+    `extra[node]` rides along with step 0. A failed, silent or confused node raises
+    `RingBroken` at the step where it happened.
     """
-    n = len(nodes)
+    n = len(ring)
     steps = 2 * (n - 1)
-    deliver: dict[int, list[bytes]] = {node: [] for node in nodes}
-    right: dict[int, int] = {}
+    ranks = [rank for _, rank in ring]
+    deliver: dict[int, list[bytes]] = {node: [] for node, _ in ring}
     last: dict[int, ConfigRecord] = {}
     for step in range(steps + 1):
         msgs = []
-        for node in nodes:
+        for node, _ in ring:
             cfg = ConfigRecord({"round": round, "step": step, "numel": numel, "policy": policy,
-                                "frames": deliver[node]})  # fmt: skip
+                                "members": ranks, "frames": deliver[node]})  # fmt: skip
             content = RecordDict({"ring": cfg})
             if step == 0 and extra and node in extra:
                 content["fedring"] = extra[node]
@@ -158,31 +185,24 @@ def relay(
         replies = {
             m.metadata.src_node_id: m for m in grid.send_and_receive(msgs, timeout=timeout_s)
         }
-        for node in nodes:
-            last[node] = _check(replies.get(node), node, step, steps)
-        if step == 0:
-            right = _ring_order(last, n)
-        for node in nodes:
-            deliver[right[node]] = list(last[node]["frames"])  # type: ignore[arg-type]
+        for i, (node, rank) in enumerate(ring):
+            last[node] = _check(replies.get(node), node, rank, step, steps)
+            deliver[ring[(i + 1) % n][0]] = list(last[node]["frames"])  # type: ignore[arg-type]
     return last
 
 
-def _check(reply: Message | None, node: int, step: int, steps: int) -> ConfigRecord:
+def _check(reply: Message | None, node: int, rank: int, step: int, steps: int) -> ConfigRecord:
     if reply is None:
         raise RingBroken(node, step, "no reply before the step's deadline")
     if reply.has_error():
         raise RingBroken(node, step, str(reply.error.reason))
     got = reply.content.config_records["ring"]
-    if got.get("step") != step or bool(got.get("done")) != (step == steps):
+    if (
+        got.get("step") != step
+        or got.get("rank") != rank
+        or bool(got.get("done")) != (step == steps)
+    ):
         raise RingBroken(
-            node, step, f"answered step {got.get('step')!s} (done={got.get('done')!s})"
+            node, step, f"answered step {got.get('step')!s} as rank {got.get('rank')!s}"
         )
     return got
-
-
-def _ring_order(replies: dict[int, ConfigRecord], n: int) -> dict[int, int]:
-    """node -> its right neighbour, from the ranks the nodes reported."""
-    by_rank = {replies[node].get("rank"): node for node in replies}
-    if set(by_rank) != set(range(n)):
-        raise RingBroken(-1, 0, f"ranks {list(by_rank)} are not 0..{n - 1}, each once")
-    return {by_rank[r]: by_rank[(r + 1) % n] for r in range(n)}

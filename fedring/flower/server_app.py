@@ -30,6 +30,7 @@ from fedring.flower import carrier
 from fedring.flower.client_app import SERVER, node_name
 from fedring.flower.job import FlowerJob, spec_to_config
 from fedring.flower.metering import MeteredGrid
+from fedring.flower.ring_job import RoundsOutcome, ring_rounds
 from fedring.flower.star import GlobalModel
 from fedring.sim.runner import Plan, plan
 
@@ -94,7 +95,7 @@ def train_message(node: int, rank: int, r: int, model: GlobalModel, delta: Paylo
                    message_type=MessageType.TRAIN)  # fmt: skip
 
 
-def run_star(grid: Grid, job: FlowerJob) -> Summary:
+def run_job(grid: Grid, job: FlowerJob) -> Summary:
     """The whole job over `grid`; returns the summary (bytes counted on the messages)."""
     start = time.perf_counter()
     spec = job.spec
@@ -104,55 +105,64 @@ def run_star(grid: Grid, job: FlowerJob) -> Summary:
     nodes = wait_for_nodes(metered, spec.agents, job.round_timeout_s)
     ranks = enrol(metered, p, nodes, job.round_timeout_s)
     enrol_bytes = metered.totals()
+    if spec.topology == "ring":
+        out = ring_rounds(metered, job, ranks, model.numel)
+        layout, sha256 = "flower-ring", out.model_sha256
+    else:
+        out = star_rounds(metered, job, ranks, model)
+        layout, sha256 = "flower-star", model.sha256
+    final = out.evals[-1]["accuracy"] if out.evals else float("nan")
+    return {
+        "status": out.status,
+        "final_accuracy": final,
+        "rounds": len(out.rows),
+        "clients": spec.agents,
+        "layout": layout,
+        **metered.totals(),
+        "enrol_uplink_bytes_total": enrol_bytes["uplink_bytes_total"],
+        "enrol_downlink_bytes_total": enrol_bytes["downlink_bytes_total"],
+        "dense_equivalent_uplink_bytes_per_client": float(model.numel * 4 * len(out.rows)),
+        "params": model.numel,
+        "wall_seconds": time.perf_counter() - start,
+        "model_sha256_final": sha256,
+        "evals": out.evals,
+        "failures": out.failures,
+        "rows": out.rows,
+    }
+
+
+def star_rounds(
+    grid: Grid, job: FlowerJob, ranks: dict[int, int], model: GlobalModel
+) -> RoundsOutcome:
+    """The star's rounds (the outcome type is shared with the ring's)."""
+    spec = job.spec
+    out = RoundsOutcome()
     in_sync = set(ranks)
     delta: Payload | None = None
-    evals: list[dict[str, Any]] = []
-    failures: list[dict[str, Any]] = []
-    rows: list[dict[str, Any]] = []
-    status = "completed"
     for r in range(spec.rounds):
-        alive = set(metered.get_node_ids())
+        alive = set(grid.get_node_ids())
         msgs = [train_message(n, ranks[n], r, model, delta, n in in_sync)
                 for n in sorted(ranks) if n in alive]  # fmt: skip
-        replies = list(metered.send_and_receive(msgs, timeout=job.round_timeout_s))
-        updates, losses = _read_replies(replies, ranks, r, model.numel, failures)
-        answered = {n for n in ranks if ranks[n] in updates}
+        replies = list(grid.send_and_receive(msgs, timeout=job.round_timeout_s))
+        updates, losses = _read_replies(replies, ranks, r, model.numel, out.failures)
         replied = {m.metadata.src_node_id for m in replies}
         for m in msgs:
             node = m.metadata.dst_node_id
             if node not in replied:
-                failures.append({"round": r, "node": node, "rank": ranks[node],
-                                 "reason": "no reply before the round's deadline"})  # fmt: skip
-        in_sync = answered
+                out.failures.append({"round": r, "node": node, "rank": ranks[node],
+                                     "reason": "no reply before the round's deadline"})  # fmt: skip
+        in_sync = {n for n in ranks if ranks[n] in updates}
         if not updates:
-            status = f"failed: round {r} got no update from any node"
+            out.status = f"failed: round {r} got no update from any node"
             break
         delta = model.step(r, updates)
         row = {"round": r + 1, "replies": len(updates), "loss": sum(losses) / len(losses)}
         if (r + 1) % spec.eval_every == 0 or r + 1 == spec.rounds:
             test_loss, acc = model.evaluate()
-            evals.append({"round": r + 1, "test_loss": test_loss, "accuracy": acc})
+            out.evals.append({"round": r + 1, "test_loss": test_loss, "accuracy": acc})
             row.update(test_loss=test_loss, accuracy=acc)
-        rows.append(row)
-    totals = metered.totals()
-    final = evals[-1]["accuracy"] if evals else model.evaluate()[1]
-    return {
-        "status": status,
-        "final_accuracy": final,
-        "rounds": len(rows),
-        "clients": spec.agents,
-        "layout": "flower-star",
-        **totals,
-        "enrol_uplink_bytes_total": enrol_bytes["uplink_bytes_total"],
-        "enrol_downlink_bytes_total": enrol_bytes["downlink_bytes_total"],
-        "dense_equivalent_uplink_bytes_per_client": float(model.numel * 4 * len(rows)),
-        "params": model.numel,
-        "wall_seconds": time.perf_counter() - start,
-        "model_sha256_final": model.sha256,
-        "evals": evals,
-        "failures": failures,
-        "rows": rows,
-    }
+        out.rows.append(row)
+    return out
 
 
 def _read_replies(
@@ -193,7 +203,7 @@ def serve(grid: Grid, job: FlowerJob, out: Path | None = None,
           on_summary: Callable[[Summary], None] | None = None) -> Summary:  # fmt: skip
     """Run `job`; write ``out/summary.json``; raise `RunFailed` if it did not complete
     (so the run's status on the SuperLink says so too)."""
-    summary = run_star(grid, job)
+    summary = run_job(grid, job)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(summary, sort_keys=True))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
@@ -24,6 +24,7 @@ from fedring.flower.server_app import wait_for_nodes
 from fedring.training.models import flat_sha256
 
 NUMEL = 5000
+client = ClientApp()
 TOPK = GroupTopK(group_size=256, k=3, value_dtype="fp16")
 
 
@@ -32,22 +33,32 @@ def ring_input(rank: int) -> torch.Tensor:
 
 
 def members(n: int) -> list[str]:
-    return [f"node-{i}" for i in range(n)]
+    return [ring_relay.member_name(i) for i in range(n)]
 
 
-client = ClientApp()
+def _ranks(grid: Grid, nodes: list[int]) -> dict[int, int]:
+    """Ask every node its partition id (the ring's order)."""
+    msgs = [Message(RecordDict(), dst_node_id=n, message_type="query.rank") for n in nodes]
+    return {
+        m.metadata.src_node_id: int(m.content.config_records["rank"]["rank"])  # type: ignore[arg-type]
+        for m in grid.send_and_receive(msgs, timeout=60.0)
+    }
+
+
+@client.query("rank")
+def rank_query(msg: Message, context: Context) -> Message:
+    rank = int(context.node_config["partition-id"])
+    return Message(RecordDict({"rank": ConfigRecord({"rank": rank})}), reply_to=msg)
 
 
 @client.train(ring_relay.ACTION)
 def ring_step(msg: Message, context: Context) -> Message:
-    rank, n = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    rank = int(context.node_config["partition-id"])
 
     def result(total: torch.Tensor, kept: torch.Tensor) -> dict[str, Any]:
         return {"rank": rank, "sum_sha256": flat_sha256(total), "kept_sha256": flat_sha256(kept)}
 
-    return ring_relay.handle(
-        msg, context, members(n), rank, lambda: TOPK.compress(ring_input(rank)), result
-    )
+    return ring_relay.handle(msg, context, rank, lambda _: TOPK.compress(ring_input(rank)), result)
 
 
 server = ServerApp()
@@ -58,7 +69,9 @@ def main(grid: Grid, context: Context) -> None:
     n = int(os.environ["FEDRING_FLOWER_CLIENTS"])
     metered = MeteredGrid(grid)
     nodes = wait_for_nodes(metered, n, 60.0)
-    last = ring_relay.relay(metered, nodes, round=0, numel=NUMEL, timeout_s=60.0)
+    ranks = _ranks(metered, nodes)
+    ring = sorted(((node, ranks[node]) for node in nodes), key=lambda pair: pair[1])
+    last = ring_relay.relay(metered, ring, round=0, numel=NUMEL, timeout_s=60.0)
     summary = {
         "status": "completed",
         "by_rank": {int(c["rank"]): [c["sum_sha256"], c["kept_sha256"]] for c in last.values()},  # type: ignore[arg-type]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +76,20 @@ def test_flower_relay_equals_in_process_ring(tmp_path: Path) -> None:
     steps = 2 * (n - 1) + 1
     for up in ups:
         assert max(payload_bytes) < up < max(payload_bytes) + steps * 1500
+
+
+def test_training_over_the_relayed_ring(tmp_path: Path) -> None:
+    """`fedring flower simulate --topology ring`: nodes hold the model, agree on its sha256,
+    and move only ring chunks both ways (no dense model comes down)."""
+    exe = Path(sys.executable).with_name("fedring")
+    args = ["flower", "simulate", "--topology", "ring", "--clients", "2", "--rounds", "2",
+            "--eval-every", "1", "--cpus", "2", "--timeout", "240", "--json"]  # fmt: skip
+    r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    assert s["status"] == "completed" and s["layout"] == "flower-ring" and s["failures"] == []
+    assert s["evals"][-1]["accuracy"] > s["evals"][0]["accuracy"]
+    assert len(s["model_sha256_final"]) == 64  # one hash: every node reported the same model
+    dense = s["dense_equivalent_uplink_bytes_per_client"]
+    assert 0 < s["uplink_bytes_per_client"] * 10 < dense
+    assert 0 < s["downlink_bytes_per_client"] * 10 < dense

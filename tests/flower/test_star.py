@@ -147,7 +147,7 @@ def test_cli_deadline_stops_every_process(tmp_path: Path) -> None:
         "--cpus",
         "2",
         "--timeout",
-        "4",
+        "3",
         "--out",
         str(tmp_path),
     )
