@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from fedring.aggregation.rules import Aggregation
+from fedring.compression.quantize import DenseCodec
+from fedring.compression.sparse import SparseGroups
 from fedring.config import JobSpec, SpecError
 from fedring.flower.job import FlowerJob
 from fedring.flower.node import OutOfSync, apply_downlink, enrol, train_round
@@ -168,3 +170,17 @@ def _session_members(sid: int) -> list[int]:
             if int(fields[3]) == sid:  # field 6 of /proc/PID/stat: the session id
                 found.append(int(entry.name))
     return found
+
+
+def test_compressed_downlink_moves_the_model_by_exactly_what_is_sent() -> None:
+    p = plan(SPEC)
+    model = GlobalModel(FlowerJob(SPEC, downlink="group-topk"), p)
+    before = model.params.clone()
+    update = torch.randn(model.numel, generator=torch.Generator().manual_seed(3))
+    down = model.step(0, {0: DenseCodec("fp32").compress(update)})
+    assert isinstance(down, SparseGroups)  # group-top-k, k per group of G
+    assert torch.equal(model.params - before, down.decompress())
+    # FedAvgM's first step moves by the update itself; what was not sent stays in the
+    # ServerApp's error feedback, to be sent in later rounds
+    assert model.down_ef is not None
+    assert torch.allclose(model.down_ef.residual + down.decompress(), update, atol=1e-6)
