@@ -33,7 +33,7 @@ class FlowerJob:
     round_timeout_s: float = 120.0  # how long the ServerApp waits for one round's replies
     # local mode: the ServerApp applies the combined delta with this momentum (FedAvgM).
     # Error feedback delays what compression leaves out; momentum 0.5 makes up for
-    # the delay within 20 rounds (digits, 8 clients: 0.967 vs 0.961 without).
+    # the delay within 20 rounds (digits, 8 clients: 0.9666 vs 0.9554 without).
     server_momentum: float = 0.5
 
     def __post_init__(self) -> None:
