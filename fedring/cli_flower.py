@@ -72,7 +72,9 @@ def simulate_cmd(
         0.5, help="local mode: FedAvgM momentum of the ServerApp."
     ),
     round_timeout: float = typer.Option(120.0, help="Seconds the ServerApp waits for a round."),
-    timeout: float = typer.Option(900.0, help="Seconds for the whole run; then it is stopped."),
+    timeout: float = typer.Option(
+        900.0, min=1.0, help="Seconds for the whole run; then it is stopped."
+    ),
     cpus: int | None = typer.Option(None, min=1, help="CPUs Ray may use. [all]"),
     out: Path | None = typer.Option(None, "--out", help="Write summary.json and flower.log here."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),

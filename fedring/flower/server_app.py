@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedring.compression.payload import Payload
-from fedring.config import JobSpec
+from fedring.config import JobSpec, SpecError
 from fedring.flower import carrier
 from fedring.flower.client_app import SERVER, node_name
 from fedring.flower.job import FlowerJob, spec_to_config
@@ -231,11 +231,17 @@ def job_from_run_config(values: dict[str, Any]) -> tuple[FlowerJob, Path | None]
     fields = dict(values)
     out = fields.pop("out", None)
     downlink = str(fields.pop("downlink", "dense"))
-    timeout = float(fields.pop("round_timeout_s", 120.0))
-    momentum = float(fields.pop("server_momentum", 0.5))
+    timeout = _number(fields.pop("round_timeout_s", 120.0), "round_timeout_s")
+    momentum = _number(fields.pop("server_momentum", 0.5), "server_momentum")
     fields.setdefault("topology", "star")
     job = FlowerJob(JobSpec.from_mapping(fields), downlink, timeout, momentum)
     return job, Path(str(out)) if out else None
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SpecError(f"field {name!r}={value!r} must be a number")
+    return float(value)
 
 
 app = ServerApp()

@@ -17,6 +17,7 @@ from fedring.compression.sparse import SparseGroups
 from fedring.config import JobSpec, SpecError
 from fedring.flower.job import FlowerJob
 from fedring.flower.node import OutOfSync, apply_downlink, enrol, train_round
+from fedring.flower.server_app import job_from_run_config
 from fedring.flower.star import GlobalModel, combine
 from fedring.sim.runner import plan
 
@@ -184,3 +185,14 @@ def test_compressed_downlink_moves_the_model_by_exactly_what_is_sent() -> None:
     # ServerApp's error feedback, to be sent in later rounds
     assert model.down_ef is not None
     assert torch.allclose(model.down_ef.residual + down.decompress(), update, atol=1e-6)
+
+
+def test_run_config_of_flwr_run_is_checked_by_field() -> None:
+    job, out = job_from_run_config({"agents": 2, "rounds": 3, "out": "", "downlink": "dense"})
+    assert job.spec.rounds == 3 and job.spec.topology == "star" and out is None
+    with pytest.raises(SpecError, match="'round_timeout_s'"):
+        job_from_run_config({"round_timeout_s": "soon"})
+    with pytest.raises(SpecError, match="'rounds'"):
+        job_from_run_config({"rounds": "many"})
+    with pytest.raises(SpecError, match="unknown field 'epochs'"):
+        job_from_run_config({"epochs": 3})
