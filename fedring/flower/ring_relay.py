@@ -14,6 +14,9 @@ received so far. Ring steps are deterministic, so the replay re-creates the fram
 already sent bit for bit, stops where the next frame has not arrived yet, and
 returns only the new ones. The result is therefore the in-process ring's result,
 by the same code on the same inputs; `tests/flower/test_ring_relay.py` checks it.
+The price is compute, not bytes: step s replays s steps, so a round costs about
+N² chunk operations per node instead of N (small next to training for the boards'
+models; a node process that stays alive could keep its `Ring` instead).
 
 A node that fails or stays silent breaks the ring for that round: `relay` raises
 `RingBroken` naming it (the caller re-forms the ring from the survivors or fails
