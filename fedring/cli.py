@@ -23,6 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fedring import __version__, cli_export, cli_mqtt, cli_profile
+from fedring.cli_flower import flower_app
 
 app = typer.Typer(
     help="Train one PyTorch model across edge boards: group-top-k + error feedback, "
@@ -41,6 +42,7 @@ bench_app.command("mqtt")(cli_mqtt.bench_mqtt_cmd)
 app.add_typer(cli_mqtt.coordinator_app, name="coordinator")
 app.add_typer(cli_export.export_app, name="export")
 app.add_typer(cli_profile.profile_app, name="profile")
+app.add_typer(flower_app, name="flower")
 err = Console(stderr=True)
 
 

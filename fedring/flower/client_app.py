@@ -1,0 +1,160 @@
+"""fedring's Flower ClientApp: enrol once, then train one round per message.
+
+    flwr.simulation.run_simulation(server_app=..., client_app=fedring.flower.client_app.app, ...)
+
+or, in a Flower app's pyproject: ``clientapp = "fedring.flower.client_app:app"``.
+The node's partition comes from its node config (``partition-id``, set by the
+simulation engine or ``flower-supernode --node-config "partition-id=0 ..."``).
+Everything the node remembers between messages (held model, error-feedback
+residual, sampler state, the job) lives in `Context.state`, because the
+deployment engine starts a fresh process per message. Payloads travel as
+fedring frames (`fedring.flower.carrier`); no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedring.compression.payload import Payload
+from fedring.flower import carrier, ring_relay
+from fedring.flower.job import spec_from_config
+from fedring.flower.node import (
+    NodeState,
+    OutOfSync,
+    apply_downlink,
+    apply_sum,
+    enrol,
+    evaluate,
+    ring_weight,
+    train_round,
+)
+from fedring.training.models import flat_sha256
+from fedring.training.sharding import ShardManifest
+
+SERVER = "server"
+_ARRAYS, _META, _JOB = "fedring.node", "fedring.meta", "fedring.job"
+_SIZES, _RING = "fedring.sizes", "fedring.ring-round"
+
+app = ClientApp()
+
+
+def node_name(rank: int) -> str:
+    return f"node-{rank}"
+
+
+def _partition(context: Context) -> int:
+    value = context.node_config.get("partition-id")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"node_config 'partition-id'={value!r} must be an integer")
+    return value
+
+
+@app.query("enrol")
+def enrol_node(msg: Message, context: Context) -> Message:
+    """Check this node's shard and initial model against the plan; keep the job."""
+    torch.set_num_threads(1)  # one Flower worker per core; no intra-op oversubscription
+    job = msg.content.config_records["job"]
+    plan = msg.content.config_records["plan"]
+    spec = spec_from_config(job)
+    manifest = ShardManifest.from_dict(
+        {k: plan[k] for k in ("dataset", "scheme", "seed", "n_agents", "sizes", "digests")}
+    )
+    state = enrol(spec, _partition(context), manifest, str(plan["model_sha256"]))
+    _store(context, state)
+    context.state[_JOB] = ConfigRecord(dict(job))
+    context.state[_SIZES] = ConfigRecord({"sizes": list(manifest.sizes)})
+    reply = ConfigRecord({"rank": state.rank, "samples": manifest.sizes[state.rank]})
+    return Message(RecordDict({"enrol": reply}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Apply the downlink, train, reply with the compressed update (or 'out-of-sync')."""
+    torch.set_num_threads(1)
+    spec = spec_from_config(context.state.config_records[_JOB])
+    state = _load(context)
+    cfg = msg.content.config_records["fedring"]
+    r = int(cfg["round"])  # type: ignore[arg-type]
+    me = node_name(state.rank)
+    frames = list(cfg["frames"])  # type: ignore[arg-type]
+    kind = str(cfg["kind"])
+    got = None
+    if kind in ("delta", "params"):
+        got = carrier.unpack(frames, src=SERVER, dst=me, round=r, phase=kind,  # type: ignore[arg-type]
+                             numel=state.params.numel())  # fmt: skip
+    try:
+        apply_downlink(state, got if kind == "delta" else None, got if kind == "params" else None,
+                       str(cfg["model_sha256"]))  # fmt: skip
+    except OutOfSync as exc:
+        reply = ConfigRecord({"round": r, "status": "out-of-sync", "reason": str(exc)})
+        return Message(RecordDict({"fedring": reply}), reply_to=msg)
+    state, result = train_round(spec, state, float(cfg["lr"]))  # type: ignore[arg-type]
+    _store(context, state)
+    up = carrier.pack(result.payload, src=me, dst=SERVER, round=r, phase="up")
+    # One record: every record and key is a content-addressed object on the wire.
+    reply = ConfigRecord({"round": r, "status": "ok", "frames": up, "loss": result.loss})
+    return Message(RecordDict({"fedring": reply}), reply_to=msg)
+
+
+@app.train(ring_relay.ACTION)
+def ring_round(msg: Message, context: Context) -> Message:
+    """One step of a ring relayed by the ServerApp (see `fedring.flower.ring_relay`)."""
+    torch.set_num_threads(1)
+    spec = spec_from_config(context.state.config_records[_JOB])
+    sizes = [int(v) for v in context.state.config_records[_SIZES]["sizes"]]  # type: ignore[union-attr]
+    state = _load(context)
+    if "fedring" in msg.content.config_records:  # step 0: this round's lr and evaluation
+        context.state[_RING] = ConfigRecord(dict(msg.content.config_records["fedring"]))
+    info: Any = context.state.config_records[_RING]
+    r = int(msg.content.config_records["ring"]["round"])  # type: ignore[arg-type]
+
+    def make_input(members: list[int]) -> Payload:
+        nonlocal state
+        retry = ring_relay.unfinished_input(context, r, node_name(state.rank))
+        if retry is not None:  # an earlier try of this round broke: its update is not lost
+            retry.add_to(state.residual)
+        weight = ring_weight(spec, sizes, members, state.rank)
+        state, result = train_round(spec, state, float(info["lr"]), scale=weight)
+        info["loss"] = result.loss
+        return result.payload
+
+    def on_result(total: torch.Tensor, kept: torch.Tensor) -> dict[str, Any]:
+        apply_sum(spec, state, total, kept, float(info["lr"]))
+        out: dict[str, Any] = {"model_sha256": flat_sha256(state.params), "loss": info["loss"]}
+        if info["evaluate"]:
+            out["test_loss"], out["accuracy"] = evaluate(spec, state)
+        return out
+
+    reply = ring_relay.handle(msg, context, state.rank, make_input, on_result)
+    _store(context, state)
+    context.state[_RING] = info
+    return reply
+
+
+def _store(context: Context, s: NodeState) -> None:
+    arrays = {"params": s.params, "residual": s.residual, "velocity": s.velocity, "rng": s.rng,
+              "order": s.order}  # fmt: skip
+    context.state[_ARRAYS] = ArrayRecord({k: Array(v.numpy()) for k, v in arrays.items()})
+    context.state[_META] = ConfigRecord(
+        {"rank": s.rank, "pos": s.pos, "samples_seen": s.samples_seen}
+    )
+
+
+def _load(context: Context) -> NodeState:
+    if _ARRAYS not in context.state.array_records:
+        raise ValueError("this node was not enrolled in the job (no fedring state)")
+    a = context.state.array_records[_ARRAYS]
+    m = context.state.config_records[_META]
+
+    def tensor(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.array(a[name].numpy()))  # a writable copy
+
+    return NodeState(
+        int(m["rank"]), tensor("params"), tensor("residual"), tensor("velocity"),  # type: ignore[arg-type]
+        tensor("rng"), tensor("order"), int(m["pos"]), int(m["samples_seen"]),  # type: ignore[arg-type]
+    )  # fmt: skip

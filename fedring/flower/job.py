@@ -1,0 +1,74 @@
+"""What a Flower job adds to a `JobSpec`, and how the spec travels to the nodes.
+
+The ServerApp is the coordinator: it plans the shards and the initial model and
+sends each node the job as plain values (a Flower `ConfigRecord` holds str, int,
+float and bool), so nodes need no job file of their own. Nodes rebuild the spec
+with `JobSpec.from_mapping`, which refuses unknown fields and bad types.
+
+Over Flower a job runs as a star (`topology = "star"`: nodes send compressed
+updates, the ServerApp aggregates) or as a ring relayed by the ServerApp
+(`topology = "ring"`). `sync` sends one compressed gradient a round (EF-SGD on
+the server), `local` sends the compressed parameter delta after `local_steps`
+local steps (FedAvg with compressed uplinks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fedring.aggregation.rules import Aggregation
+from fedring.config import JobSpec, SpecError
+
+FLOWER_SYNC = ("sync", "local")
+FLOWER_TOPOLOGIES = ("star", "ring")
+DOWNLINKS = ("dense", "group-topk")
+
+
+@dataclass(frozen=True)
+class FlowerJob:
+    spec: JobSpec
+    downlink: str = "dense"  # dense fp32 delta | group-topk (with server-side error feedback)
+    round_timeout_s: float = 120.0  # how long the ServerApp waits for one round's replies
+    # local mode: the ServerApp applies the combined delta with this momentum (FedAvgM).
+    # Error feedback delays what compression leaves out; momentum 0.5 makes up for
+    # the delay within 20 rounds (digits, 8 clients: 0.9666 vs 0.9554 without).
+    server_momentum: float = 0.5
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        if self.downlink not in DOWNLINKS:
+            raise SpecError(f"field 'downlink'={self.downlink!r} must be one of dense, group-topk")
+        if not 0.1 <= self.round_timeout_s <= 86400:
+            raise SpecError(f"field 'round_timeout_s'={self.round_timeout_s!r} not in [0.1, 86400]")
+        if not 0.0 <= self.server_momentum < 1.0:
+            raise SpecError(f"field 'server_momentum'={self.server_momentum!r} not in [0, 1)")
+        if spec.sync not in FLOWER_SYNC:
+            raise SpecError(
+                f"field 'sync'={spec.sync!r}: over Flower use one of {', '.join(FLOWER_SYNC)}"
+            )
+        if spec.topology not in FLOWER_TOPOLOGIES:
+            raise SpecError(f"field 'topology'={spec.topology!r}: over Flower use star or ring")
+        kind = Aggregation.parse(spec.aggregation).kind
+        if kind == "hybrid":
+            raise SpecError(
+                "field 'aggregation'='hybrid' keeps a different model on every node; "
+                "the Flower star holds one global model: use mean, weighted, vote, median "
+                "or trimmed"
+            )
+        if spec.topology == "ring" and kind not in ("mean", "weighted"):
+            raise SpecError(
+                f"field 'aggregation'={spec.aggregation!r}: the relayed ring sums, so it takes "
+                "mean or weighted; use topology='star' for vote, median and trimmed"
+            )
+
+
+def spec_to_config(spec: JobSpec) -> dict[str, Any]:
+    """The spec as ConfigRecord-ready values."""
+    return dict(spec.resolved())
+
+
+def spec_from_config(values: Mapping[str, Any]) -> JobSpec:
+    """Rebuild a spec sent by the ServerApp; SpecError names a bad field."""
+    return JobSpec.from_mapping(dict(values))

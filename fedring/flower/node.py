@@ -1,0 +1,193 @@
+"""One node's side of a Flower job, without Flower: enrol, then one round per message.
+
+A Flower node may run every message in a fresh process (the deployment engine
+does), so everything a node must remember between rounds lives in a `NodeState`
+of plain tensors and ints that the ClientApp keeps in `Context.state`: the
+global model it holds, its error-feedback residual (so what compression left out
+in round r is sent in round r+1), and its batch sampler's position and RNG state.
+
+A round: apply the ServerApp's downlink to the held model and check its sha256,
+compute the update (`sync`: one gradient; `local`: the parameter delta after
+`local_steps` momentum-SGD steps), and compress it with error feedback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from fedring.aggregation.rules import Aggregation, capped_weights
+from fedring.compression.error_feedback import ErrorFeedback
+from fedring.compression.group_topk import GroupTopK
+from fedring.compression.payload import Payload
+from fedring.compression.quantize import SignQuantizer
+from fedring.config import JobSpec
+from fedring.training.datasets import Dataset, load_dataset
+from fedring.training.exchange import compress_update
+from fedring.training.models import build_model, flat_sha256, params_sha256
+from fedring.training.sharding import ShardManifest, make_shards, shard_data, verify_shard
+from fedring.training.trainer import LocalTrainer
+
+
+class OutOfSync(ValueError):
+    """The node's model after the downlink does not hash to the ServerApp's."""
+
+
+@dataclass
+class NodeState:
+    rank: int
+    params: torch.Tensor  # the global model as this node holds it (flat float32)
+    residual: torch.Tensor  # error feedback (zeros when off)
+    velocity: torch.Tensor  # the relayed ring's dense sync momentum (zeros otherwise)
+    rng: torch.Tensor  # the batch sampler's generator state (uint8)
+    order: torch.Tensor  # the current epoch's permutation (int64)
+    pos: int
+    samples_seen: int
+
+
+@lru_cache(maxsize=4)
+def _data(dataset: str, seed: int, agents: int, sharding: str) -> tuple[Dataset, list[np.ndarray]]:
+    ds = load_dataset(dataset, seed)
+    return ds, make_shards(ds.y_train.numpy(), agents, sharding, seed)
+
+
+def _trainer(spec: JobSpec, rank: int) -> LocalTrainer:
+    ds, shards = _data(spec.dataset, spec.seed, spec.agents, spec.sharding)
+    x, y = shard_data(ds, shards[rank])
+    model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
+    momentum = 0.0 if spec.compressed_sync else spec.momentum
+    return LocalTrainer(
+        model, x, y, batch_size=spec.batch_size, momentum=momentum, seed=spec.seed, rank=rank
+    )
+
+
+def enrol(spec: JobSpec, rank: int, manifest: ShardManifest, model_sha256: str) -> NodeState:
+    """Verify this node's shard and initial model against the ServerApp's plan."""
+    if not 0 <= rank < spec.agents:
+        raise ValueError(f"node_config 'partition-id'={rank} not in [0, {spec.agents})")
+    trainer = _trainer(spec, rank)
+    verify_shard(manifest, rank, trainer.x, trainer.y)
+    got = params_sha256(trainer.model)
+    if got != model_sha256:
+        raise ValueError(
+            f"node {rank}: initial model sha256 {got[:12]}... != ServerApp's "
+            f"{model_sha256[:12]}...; refusing to train from a different start"
+        )
+    zeros = torch.zeros_like(trainer.params)
+    return _save(trainer, rank, zeros, zeros.clone())
+
+
+def _save(
+    trainer: LocalTrainer, rank: int, residual: torch.Tensor, velocity: torch.Tensor
+) -> NodeState:
+    return NodeState(
+        rank, trainer.params, residual, velocity, trainer._gen.get_state(),
+        trainer._order.clone(), trainer._pos, trainer.samples_seen,
+    )  # fmt: skip
+
+
+def _restore(spec: JobSpec, state: NodeState) -> LocalTrainer:
+    trainer = _trainer(spec, state.rank)
+    trainer.set_params(state.params)
+    trainer._gen.set_state(state.rng)
+    trainer._order, trainer._pos = state.order, state.pos
+    trainer.samples_seen = state.samples_seen
+    return trainer
+
+
+@dataclass
+class RoundResult:
+    payload: Payload
+    loss: float
+    samples: int  # this round's training samples
+    compression_error: float
+
+
+def _compressor(spec: JobSpec) -> GroupTopK | None:
+    if spec.compression != "group-topk":
+        return None
+    return GroupTopK(spec.group_size, spec.k, spec.value_dtype)  # type: ignore[arg-type]
+
+
+def apply_downlink(state: NodeState, update: Payload | None, params: Payload | None,
+                   want_sha256: str) -> None:  # fmt: skip
+    """Move the held model to the ServerApp's: a delta added, or whole parameters."""
+    if params is not None:
+        state.params = params.decompress()
+    elif update is not None:
+        update.add_to(state.params)
+    got = flat_sha256(state.params)
+    if got != want_sha256:
+        raise OutOfSync(
+            f"node {state.rank}: model {got[:12]}... != ServerApp's {want_sha256[:12]}..."
+        )
+
+
+def train_round(
+    spec: JobSpec, state: NodeState, lr: float, scale: float = 1.0
+) -> tuple[NodeState, RoundResult]:
+    """One round from the held global model; returns the new state and the update
+    (times `scale`: the relayed ring sums, so each node sends its weighted share)."""
+    trainer = _restore(spec, state)
+    before = trainer.samples_seen
+    anchor = state.params.clone()
+    if spec.sync == "sync":
+        loss, vec = trainer.gradient()
+    else:
+        losses = []
+        trainer.velocity.zero_()
+        for _ in range(spec.local_steps):
+            step_loss, g = trainer.gradient()
+            trainer.step(g, lr)
+            losses.append(step_loss)
+        loss, vec = sum(losses) / len(losses), trainer.params - anchor
+        trainer.set_params(anchor)  # the global model moves only by what all nodes agree on
+    if scale != 1.0:
+        vec = vec * scale
+    ef = None
+    if spec.error_feedback:
+        ef = ErrorFeedback(vec.numel())
+        ef.residual.copy_(state.residual)
+    if Aggregation.parse(spec.aggregation).kind == "vote":
+        p = ef.compensate(vec) if ef is not None else vec
+        payload: Payload = SignQuantizer(4096).compress(p)
+        if ef is not None:
+            ef.update(payload)
+        error = 0.0
+    else:
+        payload, error = compress_update(vec, _compressor(spec), ef)
+    residual = ef.residual if ef is not None else state.residual
+    new = _save(trainer, state.rank, residual, state.velocity)
+    return new, RoundResult(payload, loss, trainer.samples_seen - before, error)
+
+
+def ring_weight(spec: JobSpec, sizes: list[int], members: list[int], rank: int) -> float:
+    """This node's share of the ring's sum: 1/N, or its capped manifest weight."""
+    if Aggregation.parse(spec.aggregation).kind == "weighted":
+        weights = capped_weights([sizes[m] for m in members], spec.weight_cap)
+        return float(weights[members.index(rank)])
+    return 1.0 / len(members)
+
+
+def apply_sum(spec: JobSpec, state: NodeState, total: torch.Tensor, kept: torch.Tensor,
+              lr: float) -> None:  # fmt: skip
+    """Move the held model by the ring's sum, as every member does with the same bits."""
+    if spec.error_feedback:
+        state.residual.add_(kept)  # what the bounded ring's re-selections dropped
+    if spec.sync != "sync":
+        state.params.add_(total)
+    elif spec.compressed_sync:  # plain EF-SGD
+        state.params.sub_(total, alpha=lr)
+    else:
+        state.velocity.mul_(spec.momentum).add_(total)
+        state.params.sub_(state.velocity, alpha=lr)
+
+
+def evaluate(spec: JobSpec, state: NodeState) -> tuple[float, float]:
+    """Loss and accuracy of the held model on the job's test set."""
+    ds, _ = _data(spec.dataset, spec.seed, spec.agents, spec.sharding)
+    trainer = _restore(spec, state)
+    return trainer.evaluate(ds.x_test, ds.y_test)

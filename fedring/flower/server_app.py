@@ -1,0 +1,253 @@
+"""fedring's Flower ServerApp: enrol the nodes, then run star rounds (or the relayed ring).
+
+`make_server_app(job)` builds a ServerApp for a given `FlowerJob` (what `fedring
+flower simulate` uses); the module-level `app` reads the job from the run config
+(``flwr run . --run-config "agents=2 rounds=5 ..."``; keys are JobSpec fields plus
+``downlink``, ``round_timeout_s`` and ``out``, a directory for summary.json).
+
+A round: one train message per enrolled node, carrying the last downlink (a delta
+for nodes that applied every previous one, the whole model for a node that
+missed one) and the sha256 the node's model must have after applying it. The
+replies that arrive before the round's deadline are aggregated; a node that fails
+or stays silent is recorded in the summary's `failures` and gets the whole model
+next time. A round with no reply at all ends the run as failed, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from fedring.compression.payload import Payload
+from fedring.config import JobSpec, SpecError
+from fedring.flower import carrier
+from fedring.flower.client_app import SERVER, node_name
+from fedring.flower.job import FlowerJob, spec_to_config
+from fedring.flower.metering import MeteredGrid
+from fedring.flower.ring_job import RoundsOutcome, ring_rounds
+from fedring.flower.star import GlobalModel
+from fedring.sim.runner import Plan, plan
+
+Summary = dict[str, Any]
+
+
+class RunFailed(RuntimeError):
+    """The run could not go on: no node enrolled, or a round without any reply."""
+
+
+def wait_for_nodes(grid: Grid, n: int, timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= n:
+            return nodes
+        if time.monotonic() >= deadline:
+            raise RunFailed(f"only {len(nodes)} of {n} nodes connected within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def enrol(grid: Grid, p: Plan, nodes: list[int], timeout_s: float) -> dict[int, int]:
+    """Send every node the job and the plan; return node id -> rank of those that agree."""
+    m = p.manifest
+    plan_cfg = ConfigRecord({
+        "dataset": m.dataset, "scheme": m.scheme, "seed": m.seed, "n_agents": m.n_agents,
+        "sizes": list(m.sizes), "digests": list(m.digests), "model_sha256": p.model_sha256,
+    })  # fmt: skip
+    content = RecordDict({"job": ConfigRecord(spec_to_config(p.spec)), "plan": plan_cfg})
+    msgs = [Message(content, dst_node_id=n, message_type=f"{MessageType.QUERY}.enrol")
+            for n in nodes]  # fmt: skip
+    ranks: dict[int, int] = {}
+    problems: list[str] = []
+    for reply in grid.send_and_receive(msgs, timeout=timeout_s):
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            problems.append(f"node {node}: {reply.error.reason}")
+            continue
+        rank = int(reply.content.config_records["enrol"]["rank"])  # type: ignore[arg-type]
+        if rank in ranks.values():
+            problems.append(f"node {node}: partition-id {rank} is taken by another node")
+            continue
+        ranks[node] = rank
+    if len(ranks) < p.spec.agents:
+        raise RunFailed(f"{len(ranks)} of {p.spec.agents} nodes enrolled: " + "; ".join(problems))
+    return ranks
+
+
+def train_message(node: int, rank: int, r: int, model: GlobalModel, delta: Payload | None,
+                  in_sync: bool) -> Message:  # fmt: skip
+    """Round r's message for one node: its downlink, the model hash, the learning rate."""
+    cfg: dict[str, Any] = {"round": r, "lr": model.lr(r), "model_sha256": model.sha256}
+    if r == 0 and in_sync:  # every node verified the initial model at enrolment
+        cfg.update(kind="none", frames=[])
+    elif in_sync and delta is not None:
+        cfg.update(kind="delta", frames=carrier.pack(delta, src=SERVER, dst="*", round=r,
+                                                     phase="delta"))  # fmt: skip
+    else:
+        cfg.update(kind="params", frames=carrier.pack(model.whole(), src=SERVER, dst="*", round=r,
+                                                      phase="params"))  # fmt: skip
+    return Message(RecordDict({"fedring": ConfigRecord(cfg)}), dst_node_id=node,
+                   message_type=MessageType.TRAIN)  # fmt: skip
+
+
+def run_job(grid: Grid, job: FlowerJob) -> Summary:
+    """The whole job over `grid`; returns the summary (bytes counted on the messages)."""
+    start = time.perf_counter()
+    spec = job.spec
+    metered = MeteredGrid(grid)
+    p = plan(spec)
+    model = GlobalModel(job, p)
+    nodes = wait_for_nodes(metered, spec.agents, job.round_timeout_s)
+    ranks = enrol(metered, p, nodes, job.round_timeout_s)
+    enrol_bytes = metered.totals()
+    if spec.topology == "ring":
+        out = ring_rounds(metered, job, ranks, model.numel)
+        layout, sha256 = "flower-ring", out.model_sha256
+    else:
+        out = star_rounds(metered, job, ranks, model)
+        layout, sha256 = "flower-star", model.sha256
+    final = out.evals[-1]["accuracy"] if out.evals else float("nan")
+    return {
+        "status": out.status,
+        "final_accuracy": final,
+        "rounds": len(out.rows),
+        "clients": spec.agents,
+        "layout": layout,
+        **metered.totals(),
+        "enrol_uplink_bytes_total": enrol_bytes["uplink_bytes_total"],
+        "enrol_downlink_bytes_total": enrol_bytes["downlink_bytes_total"],
+        "dense_equivalent_uplink_bytes_per_client": float(model.numel * 4 * len(out.rows)),
+        "params": model.numel,
+        "wall_seconds": time.perf_counter() - start,
+        "model_sha256_final": sha256,
+        "evals": out.evals,
+        "failures": out.failures,
+        "rows": out.rows,
+    }
+
+
+def star_rounds(
+    grid: Grid, job: FlowerJob, ranks: dict[int, int], model: GlobalModel
+) -> RoundsOutcome:
+    """The star's rounds (the outcome type is shared with the ring's)."""
+    spec = job.spec
+    out = RoundsOutcome()
+    in_sync = set(ranks)
+    delta: Payload | None = None
+    for r in range(spec.rounds):
+        alive = set(grid.get_node_ids())
+        msgs = [train_message(n, ranks[n], r, model, delta, n in in_sync)
+                for n in sorted(ranks) if n in alive]  # fmt: skip
+        replies = list(grid.send_and_receive(msgs, timeout=job.round_timeout_s))
+        updates, losses = _read_replies(replies, ranks, r, model.numel, out.failures)
+        replied = {m.metadata.src_node_id for m in replies}
+        for m in msgs:
+            node = m.metadata.dst_node_id
+            if node not in replied:
+                out.failures.append({"round": r, "node": node, "rank": ranks[node],
+                                     "reason": "no reply before the round's deadline"})  # fmt: skip
+        in_sync = {n for n in ranks if ranks[n] in updates}
+        if not updates:
+            out.status = f"failed: round {r} got no update from any node"
+            break
+        delta = model.step(r, updates)
+        row = {"round": r + 1, "replies": len(updates), "loss": sum(losses) / len(losses)}
+        if (r + 1) % spec.eval_every == 0 or r + 1 == spec.rounds:
+            test_loss, acc = model.evaluate()
+            out.evals.append({"round": r + 1, "test_loss": test_loss, "accuracy": acc})
+            row.update(test_loss=test_loss, accuracy=acc)
+        out.rows.append(row)
+    return out
+
+
+def _read_replies(
+    replies: list[Message], ranks: dict[int, int], r: int, numel: int,
+    failures: list[dict[str, Any]],
+) -> tuple[dict[int, Payload], list[float]]:  # fmt: skip
+    """Decoded updates by rank; failed or refused replies go to `failures` (results and
+    failures travel apart, so one bad reply never sinks the round)."""
+    updates: dict[int, Payload] = {}
+    losses: list[float] = []
+    for reply in replies:
+        node = reply.metadata.src_node_id
+        rank = ranks.get(node)
+        if rank is None:
+            continue
+        reason = ""
+        if reply.has_error():
+            reason = f"error reply: {reply.error.reason!s}"
+        else:
+            cfg = reply.content.config_records["fedring"]
+            if cfg.get("status") != "ok" or cfg.get("round") != r:
+                reason = f"{cfg.get('status')!s}: {cfg.get('reason', '')!s}"
+            else:
+                try:
+                    updates[rank] = carrier.unpack(
+                        list(cfg["frames"]), src=node_name(rank), dst=SERVER, round=r,  # type: ignore[arg-type]
+                        phase="up", numel=numel,
+                    )  # fmt: skip
+                    losses.append(float(cfg["loss"]))  # type: ignore[arg-type]
+                except carrier.CarrierError as exc:
+                    reason = f"refused update: {exc}"
+        if reason:
+            failures.append({"round": r, "node": node, "rank": rank, "reason": reason})
+    return updates, losses
+
+
+def serve(grid: Grid, job: FlowerJob, out: Path | None = None,
+          on_summary: Callable[[Summary], None] | None = None) -> Summary:  # fmt: skip
+    """Run `job`; write ``out/summary.json``; raise `RunFailed` if it did not complete
+    (so the run's status on the SuperLink says so too)."""
+    summary = run_job(grid, job)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, sort_keys=True))
+    if on_summary is not None:
+        on_summary(summary)
+    if summary["status"] != "completed":
+        raise RunFailed(summary["status"])
+    return summary
+
+
+def make_server_app(job: FlowerJob, on_summary: Callable[[Summary], None] | None = None,
+                    out: Path | None = None) -> ServerApp:  # fmt: skip
+    """A ServerApp that runs `job` and hands its summary to `on_summary` / `out`."""
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        serve(grid, job, out, on_summary)
+
+    return server
+
+
+def job_from_run_config(values: dict[str, Any]) -> tuple[FlowerJob, Path | None]:
+    """A FlowerJob from `flwr run --run-config` values; SpecError names a bad field."""
+    fields = dict(values)
+    out = fields.pop("out", None)
+    downlink = str(fields.pop("downlink", "dense"))
+    timeout = _number(fields.pop("round_timeout_s", 120.0), "round_timeout_s")
+    momentum = _number(fields.pop("server_momentum", 0.5), "server_momentum")
+    fields.setdefault("topology", "star")
+    job = FlowerJob(JobSpec.from_mapping(fields), downlink, timeout, momentum)
+    return job, Path(str(out)) if out else None
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SpecError(f"field {name!r}={value!r} must be a number")
+    return float(value)
+
+
+app = ServerApp()
+
+
+@app.main()
+def _main(grid: Grid, context: Context) -> None:
+    job, out = job_from_run_config(dict(context.run_config))
+    serve(grid, job, out)
