@@ -81,12 +81,15 @@ class BrokerBytes:
 class _Daemons:
     """`fedring agent` processes, stopped with SIGTERM (then SIGKILL) by PID."""
 
-    def __init__(self, url: str, ids: list[str], logs: Path) -> None:
+    def __init__(self, url: str, logs: Path) -> None:
+        self.url, self.logs = url, logs
         self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, ids: list[str]) -> None:
         for agent in ids:
-            with open(logs / f"{agent}.log", "ab") as out:
+            with open(self.logs / f"{agent}.log", "ab") as out:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "fedring", "agent", "--broker", url, "--id", agent],
+                    [sys.executable, "-m", "fedring", "agent", "--broker", self.url, "--id", agent],
                     stdout=out, stderr=out, start_new_session=True,
                 ))  # fmt: skip
 
@@ -160,8 +163,9 @@ def run(
     with Mosquitto(sys_interval=1, workdir=work / "broker") as broker:
         cfg = BrokerConfig.parse(broker.url, username="coordinator")
         sysbytes = BrokerBytes(broker.port)
-        daemons = _Daemons(broker.url, [f"bench-{i}" for i in range(agents)], work)
+        daemons = _Daemons(broker.url, work)
         try:
+            daemons.start([f"bench-{i}" for i in range(agents)])
             for spec in jobs:
                 tick = _labelled(on_round, spec.compression)
                 rows.append(_one(spec, cfg, sysbytes, work / spec.compression, tick))

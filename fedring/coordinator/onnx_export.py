@@ -88,15 +88,22 @@ def export_onnx(
     path.parent.mkdir(parents=True, exist_ok=True)
     model.eval()
     x = _inputs(feature_shape, check_inputs, seed)
-    _export(model, x, path)
+    try:
+        _export(model, x, path)
+    except Exception as exc:  # the exporter's own errors: an op it cannot express, ...
+        raise ExportError(f"{path}: torch.onnx.export failed: {exc}") from exc
     try:
         onnx.checker.check_model(str(path), full_check=True)
-    except onnx.checker.ValidationError as exc:
+    except Exception as exc:  # ValidationError, and shape inference's InferenceError
         raise ExportError(f"{path}: onnx.checker refused the export: {exc}") from exc
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
-    runtime = OnnxModel.load(path)
-    diff = float(np.abs(runtime.predict(x) - want).max())
+    try:
+        runtime = OnnxModel.load(path)
+        got = runtime.predict(x)
+    except Exception as exc:  # ORT could not load or run the file
+        raise ExportError(f"{path}: ONNX Runtime could not run the export: {exc}") from exc
+    diff = float(np.abs(got - want).max())
     report: dict[str, Any] = {
         "path": str(path), "opset": _opset(path), "checker_ok": True,
         "inputs_checked": len(x), "max_abs_diff": diff, "atol": atol,
@@ -111,7 +118,10 @@ def export_onnx(
         report["accuracy_torch"] = float((logits.argmax(axis=1) == ty).mean())
         report["accuracy_onnx"] = runtime.accuracy(tx, ty)
     if int8:
-        report["int8"] = _quantize(path, x, want, test_set)
+        try:
+            report["int8"] = _quantize(path, x, want, test_set)
+        except Exception as exc:
+            raise ExportError(f"{path}: int8 quantization failed: {exc}") from exc
     return report
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import time
@@ -36,6 +37,7 @@ from fedring.config import JobSpec
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.counters import Counters
 from fedring.sim.runner import plan
+from fedring.training.models import flat_sha256
 from fedring.transport import topics
 from fedring.transport.base import Deadline, TransportError
 from fedring.transport.mqtt import BrokerConfig, Control, MqttLink
@@ -83,6 +85,7 @@ class Coordinator:
         self.hashes: dict[int, dict[str, str]] = {}
         self.epochs = 0
         self.last_row: dict[str, Any] = {}
+        self.numel = 0  # parameters of the job's model, from the agents' acks
         self.step_s: dict[str, float] = {}  # each agent's measured step of this job's model
         self.rows: dict[int, dict[str, Any]] = {}  # the head's metrics by round (a redo replaces)
         self.refused: set[str] = set()  # agents that cannot take this job
@@ -157,25 +160,25 @@ class Coordinator:
         step of this job's model once known, else the hello's generic step)."""
 
         def key(a: str) -> tuple[float, float, str]:
-            step = self.step_s.get(a, float(self.hellos[a].get("step_s", 0.0)))
+            step = self.step_s.get(a, _number(self.hellos[a].get("step_s")))
             return -self._link(a), step, a
 
         return sorted(agents, key=key)
 
     def _link(self, agent: str) -> float:
-        return float(self.hellos.get(agent, {}).get("link_bps", 0.0))
+        return _number(self.hellos.get(agent, {}).get("link_bps"))
 
     def round_estimate(self, members: list[str]) -> float:
         """Seconds a ring round should take: the slowest member's step, plus the ring's
         2(N-1) steps of one dense payload's share over the slowest measured link (an
         upper bound: compression only makes the payload smaller)."""
-        if not members or self.ck is None or self.ck.params is None:
+        if not members or not self.numel:
             return 0.0
         n = len(members)
         step = max((self.step_s.get(a, 0.0) for a in members), default=0.0)
         links = [self._link(a) for a in members]
         bps = min((b for b in links if b > 0), default=0.0)
-        share = 4 * self.ck.params.numel() * 2 * (n - 1) / n
+        share = 4 * self.numel * 2 * (n - 1) / n
         return step + (share / bps if bps else 0.0)
 
     def _members(self) -> list[str]:
@@ -215,7 +218,9 @@ class Coordinator:
             if progress.expired:
                 self.counters.add("stalled")
                 return self._reform(ep, f"no progress for {stall:g} s")
-            stall = self._stall(ep.members)  # the probes arrive with the acks
+            grown = self._stall(ep.members)  # the probes arrive with the acks
+            if grown > stall:
+                stall, progress = grown, Deadline.after(grown)
             item = self._next(0.5)
             if item is None:
                 continue
@@ -226,8 +231,8 @@ class Coordinator:
                 return self._reform(ep, why)
 
     def _profile(self, agent: str, field: str) -> float:
-        value = self.hellos.get(agent, {}).get("profile", {}).get(field, 0)
-        return float(value) if isinstance(value, int | float) else 0.0
+        profile = self.hellos.get(agent, {}).get("profile")
+        return _number(profile.get(field)) if isinstance(profile, dict) else 0.0
 
     def _frame_bytes(self, members: list[str]) -> int:
         """The ring's frame size: the smallest any member's board profile allows
@@ -265,9 +270,9 @@ class Coordinator:
             return "", False  # a late word from an earlier epoch
         if msg.kind == "ack":
             ep.acks.add(msg.src)
-            step = msg.doc.get("step_s")
-            if isinstance(step, float) and step >= 0:
-                self.step_s[msg.src] = step
+            if "step_s" in msg.doc:
+                self.step_s[msg.src] = _number(msg.doc["step_s"])
+            self.numel = self.numel or int(_number(msg.doc.get("numel", 0)))
         elif msg.kind == "nack":
             self.counters.add("agent_nack")
             if str(msg.doc.get("why", "")).startswith("refused"):
@@ -308,11 +313,11 @@ class Coordinator:
             self.counters.add("frame_shape_mismatch")
             return
         params = torch.frombuffer(bytearray(msg.blob), dtype=torch.float32).clone()
-        self.ck.params, self.ck.round, self.ck.epoch = params, msg.round, ep.number
-        if self.ck.params_sha256 != msg.doc.get("sha256"):
+        if flat_sha256(params) != msg.doc.get("sha256"):
             self.counters.add("checkpoint_bad_sha256")
             log.error("checkpoint of round %d from %s: sha256 mismatch", msg.round, msg.src)
             return
+        self.ck.params, self.ck.round, self.ck.epoch = params, msg.round, ep.number
         self.ck.save(self.opts.out)
         # The head waits for this before starting the round: agents never get more
         # than one round ahead of what a restarted coordinator can resume from.
@@ -475,6 +480,13 @@ class Coordinator:
         if item.kind not in ("frame", "metrics"):
             return None
         return self.codec.decode(item.src, item.data)  # refusals counted and logged there
+
+
+def _number(value: Any) -> float:
+    """A figure an agent announced (hello, ack): finite and >= 0, else 0 (unknown)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if math.isfinite(value) and value >= 0 else 0.0
 
 
 def _slug(text: str) -> str:

@@ -271,7 +271,7 @@ class AgentDaemon:
         run.thread = threading.Thread(target=body, name=f"{self.me}-e{seg.epoch}", daemon=True)
         self.running = run
         self._send(seg.job, "ack", {"epoch": seg.epoch, "start_round": seg.start_round,
-                                    "step_s": worker.step_s})  # fmt: skip
+                                    "step_s": worker.step_s, "numel": worker.numel})  # fmt: skip
         log.info("%s: epoch %d, ring %s, from round %d", self.me, seg.epoch,
                  seg.members, seg.start_round)  # fmt: skip
         run.thread.start()

@@ -1,13 +1,14 @@
 """Apply a profile on an agent: threads, batch size, dtype, frame size, deadlines, memory.
 
 `AgentSettings` is what the agent takes from its profile (flags may override the
-thread count); `apply_settings` sets torch's threads. `estimate_memory` counts
-what one job would hold on the board and `check_budget` refuses a job that
-would not fit *before* anything is trained, with the estimate and the budget in
-the message, e.g.::
+thread count) and announces in its hello. `estimate_memory` counts what one job
+would hold on the board and `check_budget` refuses a job that would not fit
+*before* anything is trained, with the estimate and the budget in the message
+(`fedring simulate --fleet rpi-zero-2w:4 --dataset synthetic:500:20000:10`)::
 
-    job needs ~163.0 MB on rpi-zero-2w but its budget is 115 MB: 1,090,058 parameters
-    x 26 fp32 copies = 113.4 MB, activations 0.2 MB (batch 32), data 49.4 MB
+    job needs ~278.3 MB on rpi-zero-2w but its budget is 115 MB (compute.ram_budget_mb):
+    2,569,034 parameters x 24 fp32 copies = 235.2 MB, activations 5.0 MB (batch 32),
+    data 38.2 MB
 
 The copies counted per parameter (fp32) are those the code keeps: the weights,
 their ``.grad``, the flat gradient, the optimizer velocity, the reduced vector and
@@ -18,6 +19,7 @@ residual); and the agent's retry states (`RETRY_STATES` x the same three).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -69,11 +71,6 @@ def settings_for(
     )  # fmt: skip
 
 
-def apply_settings(settings: AgentSettings) -> None:
-    """Set what is process-wide: torch's intra-op threads."""
-    torch.set_num_threads(settings.torch_threads)
-
-
 @dataclass(frozen=True)
 class MemoryEstimate:
     params: int
@@ -114,14 +111,12 @@ def activation_bytes(model: nn.Module, feature_shape: tuple[int, ...], batch: in
         if isinstance(out, torch.Tensor):
             total += out.numel()
 
-    leaves = [m for m in model.modules() if not list(m.children())]
-    handles = [m.register_forward_hook(hook) for m in leaves]
-    try:
-        with torch.no_grad():
-            model(torch.zeros((1, *feature_shape)))
-    finally:
-        for h in handles:
-            h.remove()
+    twin = copy.deepcopy(model).eval()  # the job's model keeps its state (BatchNorm stats)
+    leaves = [m for m in twin.modules() if not list(m.children())]
+    for m in leaves:
+        m.register_forward_hook(hook)
+    with torch.no_grad():
+        twin(torch.zeros((1, *feature_shape)))
     return total * batch * 4 * 2
 
 

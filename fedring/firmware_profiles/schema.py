@@ -208,6 +208,8 @@ def load_profile(path: Path) -> Profile:
         data = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ProfileError(f"profile file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a folder, no permission, not text
+        raise ProfileError(f"profile file {str(path)!r} cannot be read: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"profile file {str(path)!r} is not valid TOML: {exc}") from None
     return parse_profile(data, str(path))

@@ -13,7 +13,7 @@ on the fleet, from the boards' profiles:
   number, up and down both counted), and the broker's own port carries all
   frames in and out at `BROKER_MBPS`. The ring step waits for the slowest agent.
 - a **round** = the slowest agent's compute + the ring's steps (2(N-1) for a ring,
-  2(C-1) + 2(R-1) for an R x C torus).
+  sum(2(Di-1)) over the axes of a grid, e.g. 14 for 2x4x4).
 
 Bytes are what the agents really sent in the run (frames included), per round.
 """
@@ -119,10 +119,10 @@ def _timed(fn: Any) -> float:
 
 
 def ring_steps(layout: str, agents: int) -> int:
-    torus = re.fullmatch(r"torus (\d+)x(\d+)", layout)
+    """Steps of one all-reduce for a summary's `layout`: sum(2(Di-1)) over a grid's axes."""
+    torus = re.fullmatch(r"torus (\d+(?:x\d+)+)", layout)
     if torus:
-        rows, cols = int(torus.group(1)), int(torus.group(2))
-        return 2 * (cols - 1) + 2 * (rows - 1)
+        return sum(2 * (int(d) - 1) for d in torus.group(1).split("x"))
     if layout == "star":
         return 2
     return 2 * (agents - 1)

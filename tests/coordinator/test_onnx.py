@@ -168,3 +168,19 @@ def test_cli_refuses_what_is_not_a_checkpoint(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "CHECKPOINT" in result.output
     result = runner.invoke(app, ["export", "onnx", str(tmp_path), "--out", "x.onnx"])
     assert result.exit_code == 2 and "no checkpoint" in result.output
+
+
+def test_an_exporter_failure_is_an_export_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever torch.onnx.export raises (an op it cannot express, say) is reported as
+    an `ExportError` naming the file, which runs catch and report instead of crashing."""
+    from fedring.coordinator import onnx_export
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("unsupported operator aten::weird")
+
+    monkeypatch.setattr(onnx_export, "_export", broken)
+    model = build_model("mlp", (64,), 10, seed=0)
+    with pytest.raises(ExportError, match=r"model\.onnx: torch\.onnx\.export failed.*weird"):
+        export_onnx(model, (64,), tmp_path / "model.onnx")

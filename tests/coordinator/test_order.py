@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 
 from fedring.config import JobSpec
-from fedring.coordinator.checkpoint import Checkpoint
 from fedring.coordinator.service import Coordinator, Options
 from fedring.edge_agent.worker import probe_step
 from fedring.training.models import build_model
@@ -34,9 +33,8 @@ def test_fastest_link_first_then_the_faster_board(tmp_path: Path) -> None:
 def test_patience_grows_with_a_slow_probed_round(tmp_path: Path) -> None:
     c = _coordinator(tmp_path)
     c.hellos = {a: {"link_bps": 1e5} for a in ("a", "b")}
-    c.ck = Checkpoint(job="j", key=b"k" * 32, spec={}, shards={"a": 0, "b": 1},
-                      model_sha256="", shard_manifest={}, epoch=0, round=1,
-                      params=torch.zeros(250_000))  # fmt: skip
+    assert c.round_estimate(["a", "b"]) == 0.0  # no ack yet: the model size is unknown
+    c.numel = 250_000  # from the first ack, before any checkpoint exists
     c.step_s = {"a": 0.5, "b": 2.0}
     # 2.0 s of compute + 1 MB x 2(N-1)/N = 1 MB over 100 kB/s = 10 s
     assert abs(c.round_estimate(["a", "b"]) - 12.0) < 1e-9
@@ -66,3 +64,14 @@ def test_the_smallest_board_frame_size_and_the_slowest_deadline_rule(tmp_path: P
     assert c._frame_bytes(["pi", "x86", "old"]) == 65536
     assert c._frame_bytes(["old"]) == 0  # no usable figure: the default
     assert c._stall(["pi", "x86"]) == 90.0  # the Pi's round deadline beats 3 x 1 s
+
+
+def test_announced_figures_that_are_not_finite_numbers_count_as_unknown(tmp_path: Path) -> None:
+    c = _coordinator(tmp_path)
+    c.hellos = {
+        "a": {"link_bps": "fast", "step_s": float("nan"), "profile": ["not", "a", "dict"]},
+        "b": {"link_bps": float("inf"), "step_s": -1, "profile": {"round_deadline_s": True}},
+        "c": {"link_bps": 1e6, "step_s": 0.01, "profile": {"round_deadline_s": 5.0}},
+    }
+    assert c._order(set(c.hellos)) == ["c", "a", "b"]
+    assert c._stall(["a", "b", "c"]) == 5.0

@@ -108,6 +108,11 @@ def test_cli_check_exits_2_naming_the_field(tmp_path: Path) -> None:
     assert load_profile(good) == load_builtin("rpi4-4gb")
     result = runner.invoke(app, ["profile", "check", str(tmp_path / "none.toml")])
     assert result.exit_code == 2 and "does not exist" in result.output
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe name = 1")
+    for unreadable in (tmp_path, binary):  # a folder, and a file that is not text
+        result = runner.invoke(app, ["profile", "check", str(unreadable)])
+        assert result.exit_code == 2 and "cannot be read" in result.output, result.output
 
 
 def test_cli_list_shows_every_board_and_show_refuses_unknown_names() -> None:

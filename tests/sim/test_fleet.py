@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fedring.cli import app
+from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
 from fedring.sim.fleet import (
     FleetError,
@@ -38,6 +39,8 @@ def test_parse_fleet_expands_counts_and_links() -> None:
 def test_ring_steps_by_layout() -> None:
     assert ring_steps("ring of 8", 8) == 14
     assert ring_steps("torus 3x4", 12) == 2 * 3 + 2 * 2
+    assert ring_steps("torus 2x4x4", 32) == 2 * 1 + 2 * 3 + 2 * 3
+    assert ring_steps(layout_name("auto", 32), 32) == 14
     assert ring_steps("star", 5) == 2
 
 
