@@ -30,6 +30,7 @@ from fedring.flower.node import (
     apply_sum,
     enrol,
     evaluate,
+    mix_personal,
     ring_weight,
     train_round,
 )
@@ -72,6 +73,26 @@ def enrol_node(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"enrol": reply}), reply_to=msg)
 
 
+def _downlink(spec: Any, state: NodeState, cfg: ConfigRecord) -> ConfigRecord | None:
+    """Apply round r's downlink (and, with `hybrid`, mix this node's own model);
+    return an 'out-of-sync' reply instead when the model hash disagrees."""
+    r = int(cfg["round"])  # type: ignore[arg-type]
+    kind = str(cfg["kind"])
+    got = None
+    if kind in ("delta", "params"):
+        got = carrier.unpack(list(cfg["frames"]), src=SERVER, dst=node_name(state.rank),  # type: ignore[arg-type]
+                             round=r, phase=kind, numel=state.params.numel())  # fmt: skip
+    before = state.params.clone() if state.personal is not None else None
+    try:
+        apply_downlink(state, got if kind == "delta" else None, got if kind == "params" else None,
+                       str(cfg["model_sha256"]))  # fmt: skip
+    except OutOfSync as exc:
+        return ConfigRecord({"round": r, "status": "out-of-sync", "reason": str(exc)})
+    if before is not None and r > 0:
+        mix_personal(spec, state, state.params - before, r - 1)
+    return None
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Apply the downlink, train, reply with the compressed update (or 'out-of-sync')."""
@@ -81,23 +102,32 @@ def train(msg: Message, context: Context) -> Message:
     cfg = msg.content.config_records["fedring"]
     r = int(cfg["round"])  # type: ignore[arg-type]
     me = node_name(state.rank)
-    frames = list(cfg["frames"])  # type: ignore[arg-type]
-    kind = str(cfg["kind"])
-    got = None
-    if kind in ("delta", "params"):
-        got = carrier.unpack(frames, src=SERVER, dst=me, round=r, phase=kind,  # type: ignore[arg-type]
-                             numel=state.params.numel())  # fmt: skip
-    try:
-        apply_downlink(state, got if kind == "delta" else None, got if kind == "params" else None,
-                       str(cfg["model_sha256"]))  # fmt: skip
-    except OutOfSync as exc:
-        reply = ConfigRecord({"round": r, "status": "out-of-sync", "reason": str(exc)})
-        return Message(RecordDict({"fedring": reply}), reply_to=msg)
+    refused = _downlink(spec, state, cfg)
+    if refused is not None:
+        return Message(RecordDict({"fedring": refused}), reply_to=msg)
     state, result = train_round(spec, state, float(cfg["lr"]))  # type: ignore[arg-type]
     _store(context, state)
     up = carrier.pack(result.payload, src=me, dst=SERVER, round=r, phase="up")
     # One record: every record and key is a content-addressed object on the wire.
     reply = ConfigRecord({"round": r, "status": "ok", "frames": up, "loss": result.loss})
+    return Message(RecordDict({"fedring": reply}), reply_to=msg)
+
+
+@app.query("evaluate")
+def evaluate_node(msg: Message, context: Context) -> Message:
+    """After the last round: apply its downlink and test this node's model (`hybrid`:
+    its own one, which the ServerApp does not hold)."""
+    torch.set_num_threads(1)
+    spec = spec_from_config(context.state.config_records[_JOB])
+    state = _load(context)
+    cfg = msg.content.config_records["fedring"]
+    refused = _downlink(spec, state, cfg)
+    if refused is not None:
+        return Message(RecordDict({"fedring": refused}), reply_to=msg)
+    _store(context, state)
+    test_loss, acc = evaluate(spec, state)
+    reply = ConfigRecord({"round": int(cfg["round"]), "status": "ok",  # type: ignore[arg-type]
+                          "test_loss": test_loss, "accuracy": acc})  # fmt: skip
     return Message(RecordDict({"fedring": reply}), reply_to=msg)
 
 
@@ -139,6 +169,8 @@ def ring_round(msg: Message, context: Context) -> Message:
 def _store(context: Context, s: NodeState) -> None:
     arrays = {"params": s.params, "residual": s.residual, "velocity": s.velocity, "rng": s.rng,
               "order": s.order}  # fmt: skip
+    if s.personal is not None and s.own is not None:
+        arrays.update(personal=s.personal, own=s.own)
     context.state[_ARRAYS] = ArrayRecord({k: Array(v.numpy()) for k, v in arrays.items()})
     context.state[_META] = ConfigRecord(
         {"rank": s.rank, "pos": s.pos, "samples_seen": s.samples_seen}
@@ -154,7 +186,9 @@ def _load(context: Context) -> NodeState:
     def tensor(name: str) -> torch.Tensor:
         return torch.from_numpy(np.array(a[name].numpy()))  # a writable copy
 
+    hybrid = "personal" in a
     return NodeState(
         int(m["rank"]), tensor("params"), tensor("residual"), tensor("velocity"),  # type: ignore[arg-type]
         tensor("rng"), tensor("order"), int(m["pos"]), int(m["samples_seen"]),  # type: ignore[arg-type]
+        tensor("personal") if hybrid else None, tensor("own") if hybrid else None,
     )  # fmt: skip

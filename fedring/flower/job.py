@@ -51,12 +51,6 @@ class FlowerJob:
         if spec.topology not in FLOWER_TOPOLOGIES:
             raise SpecError(f"field 'topology'={spec.topology!r}: over Flower use star or ring")
         kind = Aggregation.parse(spec.aggregation).kind
-        if kind == "hybrid":
-            raise SpecError(
-                "field 'aggregation'='hybrid' keeps a different model on every node; "
-                "the Flower star holds one global model: use mean, weighted, vote, median "
-                "or trimmed"
-            )
         if spec.topology == "ring" and kind not in ("mean", "weighted"):
             raise SpecError(
                 f"field 'aggregation'={spec.aggregation!r}: the relayed ring sums, so it takes "

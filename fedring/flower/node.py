@@ -46,6 +46,11 @@ class NodeState:
     order: torch.Tensor  # the current epoch's permutation (int64)
     pos: int
     samples_seen: int
+    # `hybrid:L`: this node's own model, lambda * global move + (1 - lambda) * its own
+    # move each round (Deng et al.'s adaptive personalisation, fixed or scheduled L),
+    # and its own move of the last round, mixed in once the global move arrives.
+    personal: torch.Tensor | None = None
+    own: torch.Tensor | None = None
 
 
 @lru_cache(maxsize=4)
@@ -77,7 +82,10 @@ def enrol(spec: JobSpec, rank: int, manifest: ShardManifest, model_sha256: str) 
             f"{model_sha256[:12]}...; refusing to train from a different start"
         )
     zeros = torch.zeros_like(trainer.params)
-    return _save(trainer, rank, zeros, zeros.clone())
+    state = _save(trainer, rank, zeros, zeros.clone())
+    if Aggregation.parse(spec.aggregation).kind == "hybrid":
+        state.personal, state.own = trainer.params.clone(), zeros.clone()
+    return state
 
 
 def _save(
@@ -126,14 +134,27 @@ def apply_downlink(state: NodeState, update: Payload | None, params: Payload | N
         )
 
 
+def mix_personal(spec: JobSpec, state: NodeState, global_move: torch.Tensor, r: int) -> None:
+    """`hybrid`: move this node's own model by lambda x the global model's move of round
+    r plus (1 - lambda) x its own move of that round."""
+    if state.personal is None or state.own is None:
+        return
+    lam = Aggregation.parse(spec.aggregation).lam(r, spec.rounds)
+    state.personal.add_(global_move, alpha=lam).add_(state.own, alpha=1.0 - lam)
+    state.own.zero_()
+
+
 def train_round(
     spec: JobSpec, state: NodeState, lr: float, scale: float = 1.0
 ) -> tuple[NodeState, RoundResult]:
-    """One round from the held global model; returns the new state and the update
-    (times `scale`: the relayed ring sums, so each node sends its weighted share)."""
+    """One round from the held global model (`hybrid`: from this node's own model);
+    returns the new state and the update (times `scale`: the relayed ring sums, so each
+    node sends its weighted share)."""
     trainer = _restore(spec, state)
+    if state.personal is not None:
+        trainer.set_params(state.personal)
     before = trainer.samples_seen
-    anchor = state.params.clone()
+    anchor = trainer.params.clone()
     if spec.sync == "sync":
         loss, vec = trainer.gradient()
     else:
@@ -161,6 +182,10 @@ def train_round(
         payload, error = compress_update(vec, _compressor(spec), ef)
     residual = ef.residual if ef is not None else state.residual
     new = _save(trainer, state.rank, residual, state.velocity)
+    if state.personal is not None:  # the held model stays the global one
+        new.params, new.personal = state.params, anchor
+        own = vec * -lr if spec.sync == "sync" else vec
+        new.own = own / scale if scale != 1.0 else own
     return new, RoundResult(payload, loss, trainer.samples_seen - before, error)
 
 
@@ -187,7 +212,9 @@ def apply_sum(spec: JobSpec, state: NodeState, total: torch.Tensor, kept: torch.
 
 
 def evaluate(spec: JobSpec, state: NodeState) -> tuple[float, float]:
-    """Loss and accuracy of the held model on the job's test set."""
+    """Loss and accuracy of the held model (`hybrid`: this node's own) on the test set."""
     ds, _ = _data(spec.dataset, spec.seed, spec.agents, spec.sharding)
     trainer = _restore(spec, state)
+    if state.personal is not None:
+        trainer.set_params(state.personal)
     return trainer.evaluate(ds.x_test, ds.y_test)

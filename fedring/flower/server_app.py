@@ -80,7 +80,7 @@ def enrol(grid: Grid, p: Plan, nodes: list[int], timeout_s: float) -> dict[int, 
 
 
 def train_message(node: int, rank: int, r: int, model: GlobalModel, delta: Payload | None,
-                  in_sync: bool) -> Message:  # fmt: skip
+                  in_sync: bool, message_type: str = MessageType.TRAIN) -> Message:  # fmt: skip
     """Round r's message for one node: its downlink, the model hash, the learning rate."""
     cfg: dict[str, Any] = {"round": r, "lr": model.lr(r), "model_sha256": model.sha256}
     if r == 0 and in_sync:  # every node verified the initial model at enrolment
@@ -92,7 +92,7 @@ def train_message(node: int, rank: int, r: int, model: GlobalModel, delta: Paylo
         cfg.update(kind="params", frames=carrier.pack(model.whole(), src=SERVER, dst="*", round=r,
                                                       phase="params"))  # fmt: skip
     return Message(RecordDict({"fedring": ConfigRecord(cfg)}), dst_node_id=node,
-                   message_type=MessageType.TRAIN)  # fmt: skip
+                   message_type=message_type)  # fmt: skip
 
 
 def run_job(grid: Grid, job: FlowerJob) -> Summary:
@@ -162,7 +162,36 @@ def star_rounds(
             out.evals.append({"round": r + 1, "test_loss": test_loss, "accuracy": acc})
             row.update(test_loss=test_loss, accuracy=acc)
         out.rows.append(row)
+    if model.agg.kind == "hybrid" and out.rows:
+        _evaluate_own_models(grid, job, ranks, model, delta, in_sync, out)
     return out
+
+
+def _evaluate_own_models(
+    grid: Grid, job: FlowerJob, ranks: dict[int, int], model: GlobalModel,
+    delta: Payload | None, in_sync: set[int], out: RoundsOutcome,
+) -> None:  # fmt: skip
+    """`hybrid`: every node holds its own model, which only it can test. Send the last
+    round's move and take the mean of their accuracies as the run's."""
+    r = len(out.rows)
+    alive = set(grid.get_node_ids())
+    query = f"{MessageType.QUERY}.evaluate"
+    msgs = [train_message(n, ranks[n], r, model, delta, n in in_sync, query)
+            for n in sorted(ranks) if n in alive]  # fmt: skip
+    accs, losses = [], []
+    for reply in grid.send_and_receive(msgs, timeout=job.round_timeout_s):
+        cfg = None if reply.has_error() else reply.content.config_records["fedring"]
+        if cfg is None or cfg.get("status") != "ok":
+            out.failures.append({"round": r, "node": reply.metadata.src_node_id,
+                                 "reason": "no evaluation of its own model"})  # fmt: skip
+            continue
+        accs.append(float(cfg["accuracy"]))  # type: ignore[arg-type]
+        losses.append(float(cfg["test_loss"]))  # type: ignore[arg-type]
+    if accs:
+        global_acc = out.evals[-1]["accuracy"] if out.evals else float("nan")
+        out.evals.append({"round": r, "test_loss": sum(losses) / len(losses),
+                          "accuracy": sum(accs) / len(accs), "own_models": len(accs),
+                          "global_accuracy": global_acc})  # fmt: skip
 
 
 def _read_replies(

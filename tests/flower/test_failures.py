@@ -108,3 +108,32 @@ def test_every_rule_runs_and_every_node_holds_the_same_bits(
     assert s["evals"][-1]["test_loss"] < s["evals"][0]["test_loss"] + 0.05
     held = {flat_sha256(_held(grid, n)) for n in grid.contexts}
     assert len(held) == 1  # the sha256 check in every message kept the nodes identical
+
+
+def _own(grid: InProcessGrid, node: int) -> torch.Tensor:
+    return torch.from_numpy(
+        grid.contexts[node].state.array_records["fedring.node"]["personal"].numpy()
+    )
+
+
+def test_hybrid_keeps_an_own_model_per_node_and_reports_their_mean_accuracy() -> None:
+    spec = SPEC.replace(topology="star", rounds=6, eval_every=3)
+    grid = InProcessGrid(client_app, 3)
+    s = run_job(grid, FlowerJob(spec.replace(aggregation="hybrid:0.5")))
+    assert s["status"] == "completed" and s["rounds"] == 6
+    final = s["evals"][-1]
+    assert final["own_models"] == 3 and 0.0 < final["accuracy"] <= 1.0
+    assert s["final_accuracy"] == final["accuracy"] != final["global_accuracy"]
+    own = {flat_sha256(_own(grid, n)) for n in (100, 101, 102)}
+    assert len(own) == 3  # lambda < 1: each node keeps some of its own moves
+    held = {flat_sha256(_held(grid, n)) for n in (100, 101, 102)}
+    assert held == {s["model_sha256_final"]}  # the global model is still shared exactly
+
+    # lambda = 1 takes only the global move: every own model is the global model, and
+    # the global model is the one plain `mean` gives.
+    grid = InProcessGrid(client_app, 3)
+    one = run_job(grid, FlowerJob(spec.replace(aggregation="hybrid:1.0")))
+    mean = run_job(InProcessGrid(client_app, 3), FlowerJob(spec))
+    assert one["model_sha256_final"] == mean["model_sha256_final"]
+    assert {flat_sha256(_own(grid, n)) for n in (100, 101, 102)} == {mean["model_sha256_final"]}
+    assert one["final_accuracy"] == pytest.approx(mean["final_accuracy"])

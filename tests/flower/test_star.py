@@ -83,7 +83,7 @@ def test_downlink_is_checked_by_sha256() -> None:
     ("changes", "field"),
     [
         ({"sync": "async"}, "sync"),
-        ({"aggregation": "hybrid:0.5"}, "aggregation"),
+        ({"topology": "ring", "aggregation": "hybrid:0.5"}, "aggregation"),
         ({"topology": "torus"}, "topology"),
         ({"topology": "ring", "aggregation": "median"}, "aggregation"),
     ],
