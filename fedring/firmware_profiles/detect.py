@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fedring.firmware_profiles.schema import Profile, builtin_profiles
 
@@ -51,6 +52,30 @@ def _tegra_name(release: str) -> str | None:
     return "jetson-nano" if "t210" in release else "jetson-xavier-nx"
 
 
+def _family(model: str, profiles: dict[str, Any], mem: int | None) -> Detection | None:
+    """A board of a known family without its own profile (Pi 400, a Compute Module, a
+    Pi 3 Model B): the family's profile with the most RAM that fits MemTotal, else its
+    smallest, rather than the x86 figures."""
+    words = model.split()
+    if len(words) < 2:
+        return None
+    prefix = " ".join(words[:2])  # "Raspberry Pi", "NVIDIA Jetson"
+    family = [p for p in profiles.values() if p.detect_model.startswith(prefix)]
+    if not family:
+        return None
+    # MemTotal is 90-95% of the physical RAM; on a tie, the slower board (tighter).
+    fits = [p for p in family if mem is not None and p.ram_mb <= mem * 1.15]
+    best = (
+        max(fits, key=lambda p: (p.ram_mb, -p.gflops))
+        if fits
+        else min(family, key=lambda p: p.ram_mb)
+    )
+    why = f"{model!r} has no profile of its own: nearest {prefix} by RAM" + (
+        f" (MemTotal {mem} MB)" if mem is not None else ""
+    )
+    return Detection(best, why)
+
+
 def detect(
     model_path: Path = MODEL, tegra_path: Path = TEGRA, meminfo_path: Path = MEMINFO
 ) -> Detection:
@@ -70,6 +95,9 @@ def detect(
             best = min(candidates, key=lambda p: p.ram_mb)
             why = f"{model_path}: {model!r}" + (f", MemTotal {mem} MB" if mem is not None else "")
             return Detection(best, why)
+        family = _family(model, profiles, mem_total_mb(meminfo_path))
+        if family is not None:
+            return family
     release = _read(tegra_path)
     if release:
         name = _tegra_name(release)

@@ -154,6 +154,11 @@ def _fake(tmp_path: Path, model: str | None, tegra: str | None, mem_kb: int | No
          None, "jetson-nano"),
         (None, "# R36 (release), REVISION: 4.0, GCID: 2, BOARD: generic, EABI: aarch64",
          None, "jetson-orin-nano"),
+        # Family members without a profile of their own: the nearest by RAM.
+        ("Raspberry Pi 400 Rev 1.0", None, 3_884_000, "rpi4-4gb"),
+        ("Raspberry Pi Compute Module 4 Rev 1.0", None, 7_999_000, "rpi4-8gb"),
+        ("Raspberry Pi 3 Model B Rev 1.2", None, 944_000, "rpi3b-plus"),
+        ("Raspberry Pi 400 Rev 1.0", None, None, "rpi-zero-2w"),  # unknown RAM: tightest
         ("Some Other Board", None, None, "generic-x86_64"),
         (None, None, None, "generic-x86_64"),
     ],
