@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import queue
 import time
@@ -35,6 +34,7 @@ import torch
 from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
 from fedring.coordinator.checkpoint import Checkpoint
+from fedring.coordinator.membership import Fleet
 from fedring.counters import Counters
 from fedring.sim.runner import plan
 from fedring.training.models import flat_sha256
@@ -80,13 +80,11 @@ class Coordinator:
         self.counters = Counters()
         self.codec = ControlCodec(topics.COORDINATOR, counters=self.counters)
         self.link: MqttLink | None = None
-        self.hellos: dict[str, dict[str, Any]] = {}
+        self.fleet = Fleet()  # hellos and probes: ring order, frame size, patience
         self.ck: Checkpoint | None = None
         self.hashes: dict[int, dict[str, str]] = {}
         self.epochs = 0
         self.last_row: dict[str, Any] = {}
-        self.numel = 0  # parameters of the job's model, from the agents' acks
-        self.step_s: dict[str, float] = {}  # each agent's measured step of this job's model
         self.rows: dict[int, dict[str, Any]] = {}  # the head's metrics by round (a redo replaces)
         self.refused: set[str] = set()  # agents that cannot take this job
         self.events: list[dict[str, Any]] = []  # wall-clock times of re-formations
@@ -131,7 +129,7 @@ class Coordinator:
                     f"{self.opts.enrol_timeout_s:g} s: {sorted(self._ready())}"
                 )
             self._poll(0.2)
-        chosen = self._order(self._ready())[: self.spec.agents]
+        chosen = self.fleet.order(self._ready())[: self.spec.agents]
         spec = self.spec.replace(agents=len(chosen))
         p = plan(spec)
         job = topics.check_id("job", f"{_slug(spec.dataset)}-{os.urandom(4).hex()}")
@@ -153,38 +151,12 @@ class Coordinator:
 
     def _ready(self) -> set[str]:
         assert self.link is not None
-        return set(self.hellos) & set(self.link.peers())
-
-    def _order(self, agents: set[str]) -> list[str]:
-        """Fastest link first; between equal links, the faster board (its measured
-        step of this job's model once known, else the hello's generic step)."""
-
-        def key(a: str) -> tuple[float, float, str]:
-            step = self.step_s.get(a, _number(self.hellos[a].get("step_s")))
-            return -self._link(a), step, a
-
-        return sorted(agents, key=key)
-
-    def _link(self, agent: str) -> float:
-        return _number(self.hellos.get(agent, {}).get("link_bps"))
-
-    def round_estimate(self, members: list[str]) -> float:
-        """Seconds a ring round should take: the slowest member's step, plus the ring's
-        2(N-1) steps of one dense payload's share over the slowest measured link (an
-        upper bound: compression only makes the payload smaller)."""
-        if not members or not self.numel:
-            return 0.0
-        n = len(members)
-        step = max((self.step_s.get(a, 0.0) for a in members), default=0.0)
-        links = [self._link(a) for a in members]
-        bps = min((b for b in links if b > 0), default=0.0)
-        share = 4 * self.numel * 2 * (n - 1) / n
-        return step + (share / bps if bps else 0.0)
+        return set(self.fleet.hellos) & set(self.link.peers())
 
     def _members(self) -> list[str]:
         assert self.ck is not None
         self._poll(0.0)
-        return self._order((self._ready() & set(self.ck.shards)) - self.refused)
+        return self.fleet.order((self._ready() & set(self.ck.shards)) - self.refused)
 
     # -- one segment --------------------------------------------------------------
 
@@ -200,7 +172,7 @@ class Coordinator:
                 "head": head, "shard": ck.shards[agent], "spec": ck.spec,
                 "shards": ck.shard_manifest, "model_sha256": ck.model_sha256,
                 "start_round": ep.start, "params_sha256": ck.params_sha256,
-                "max_frame_bytes": self._frame_bytes(ep.members),
+                "max_frame_bytes": self.fleet.frame_bytes(ep.members),
             }  # fmt: skip
             self._send(agent, "manifest", doc, sign=False)
             if ck.params is not None:
@@ -230,24 +202,8 @@ class Coordinator:
             if why:
                 return self._reform(ep, why)
 
-    def _profile(self, agent: str, field: str) -> float:
-        profile = self.hellos.get(agent, {}).get("profile")
-        return _number(profile.get(field)) if isinstance(profile, dict) else 0.0
-
-    def _frame_bytes(self, members: list[str]) -> int:
-        """The ring's frame size: the smallest any member's board profile allows
-        (0 leaves the default), so every member can take every frame."""
-        sizes = [int(self._profile(a, "max_frame_bytes")) for a in members]
-        return min((b for b in sizes if b >= 8192), default=0)
-
     def _stall(self, members: list[str]) -> float:
-        """How long without progress ends the epoch: `stall_s` if set, else the longest
-        of 3 ring-step deadlines, 20 estimated rounds (from the probes), and the slowest
-        member's profile round deadline."""
-        profiles = max((self._profile(a, "round_deadline_s") for a in members), default=0.0)
-        return self.opts.stall_s or max(
-            3 * self.spec.timeout_s, 20 * self.round_estimate(members), profiles
-        )
+        return self.opts.stall_s or self.fleet.stall(members, self.spec.timeout_s)
 
     def _on_item(self, ep: _Epoch, item: Control) -> tuple[str, bool]:
         """(reason to re-form or "", whether the job moved forward)."""
@@ -270,9 +226,7 @@ class Coordinator:
             return "", False  # a late word from an earlier epoch
         if msg.kind == "ack":
             ep.acks.add(msg.src)
-            if "step_s" in msg.doc:
-                self.step_s[msg.src] = _number(msg.doc["step_s"])
-            self.numel = self.numel or int(_number(msg.doc.get("numel", 0)))
+            self.fleet.on_ack(msg.src, msg.doc)
         elif msg.kind == "nack":
             self.counters.add("agent_nack")
             if str(msg.doc.get("why", "")).startswith("refused"):
@@ -378,9 +332,8 @@ class Coordinator:
             "reformations": self.epochs,
             "events": self.events,
             "agent_threads": {a: d.get("threads", 0) for a, d in ep.done.items()},
-            "probe": {a: {"step_s": self.step_s.get(a), "link_bps": self._link(a)}
-                      for a in ep.members},
-            "round_estimate_s": self.round_estimate(ep.members),
+            "probe": self.fleet.probes(ep.members),
+            "round_estimate_s": self.fleet.round_estimate(ep.members),
             "wall_seconds": wall,
             "checkpoint": str(self.opts.out / "checkpoint.pt"),
             "coordinator_counters": self.counters.snapshot(),
@@ -469,24 +422,17 @@ class Coordinator:
 
     def _on_hello(self, item: Control) -> None:
         if not item.data:
-            self.hellos.pop(item.src, None)  # an agent that left for good clears its hello
+            self.fleet.hellos.pop(item.src, None)  # an agent that left for good clears it
             return
         msg = ControlCodec(topics.COORDINATOR, counters=self.counters).decode(item.src, item.data)
         if msg is None or msg.kind != "hello":
             return
-        self.hellos[item.src] = msg.doc
+        self.fleet.hellos[item.src] = msg.doc
 
     def _decode(self, item: Control) -> ControlMessage | None:
         if item.kind not in ("frame", "metrics"):
             return None
         return self.codec.decode(item.src, item.data)  # refusals counted and logged there
-
-
-def _number(value: Any) -> float:
-    """A figure an agent announced (hello, ack): finite and >= 0, else 0 (unknown)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return 0.0
-    return float(value) if math.isfinite(value) and value >= 0 else 0.0
 
 
 def _slug(text: str) -> str:

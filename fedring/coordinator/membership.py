@@ -1,0 +1,79 @@
+"""What the coordinator knows of its agents, and the ring policy it draws from it.
+
+Each agent's retained hello carries its board profile, a generic step time and its
+measured round-trip bandwidth to the broker; its ack of a segment carries the
+time of one training step of the job's own model. From these the coordinator
+orders the ring (fastest link first, then the faster board), picks the ring's
+frame size (the smallest any member's board takes), and sizes how long it waits
+without progress before it calls a ring stalled. Every announced figure is
+checked: anything but a finite number >= 0 counts as unknown (0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def number(value: Any) -> float:
+    """A figure an agent announced (hello, ack): finite and >= 0, else 0 (unknown)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if math.isfinite(value) and value >= 0 else 0.0
+
+
+@dataclass
+class Fleet:
+    hellos: dict[str, dict[str, Any]] = field(default_factory=dict)  # agent -> its hello
+    step_s: dict[str, float] = field(default_factory=dict)  # a step of the job's model
+    numel: int = 0  # parameters of the job's model, from the first ack
+
+    def on_ack(self, agent: str, doc: dict[str, Any]) -> None:
+        if "step_s" in doc:
+            self.step_s[agent] = number(doc["step_s"])
+        self.numel = self.numel or int(number(doc.get("numel", 0)))
+
+    def link(self, agent: str) -> float:
+        return number(self.hellos.get(agent, {}).get("link_bps"))
+
+    def profile(self, agent: str, key: str) -> float:
+        profile = self.hellos.get(agent, {}).get("profile")
+        return number(profile.get(key)) if isinstance(profile, dict) else 0.0
+
+    def order(self, agents: set[str]) -> list[str]:
+        """Fastest link first; between equal links, the faster board (its measured
+        step of this job's model once known, else the hello's generic step)."""
+
+        def key(a: str) -> tuple[float, float, str]:
+            step = self.step_s.get(a, number(self.hellos.get(a, {}).get("step_s")))
+            return -self.link(a), step, a
+
+        return sorted(agents, key=key)
+
+    def round_estimate(self, members: list[str]) -> float:
+        """Seconds a ring round should take: the slowest member's step, plus the ring's
+        2(N-1) steps of one dense payload's share over the slowest measured link (an
+        upper bound: compression only makes the payload smaller)."""
+        if not members or not self.numel:
+            return 0.0
+        n = len(members)
+        step = max((self.step_s.get(a, 0.0) for a in members), default=0.0)
+        bps = min((b for b in map(self.link, members) if b > 0), default=0.0)
+        share = 4 * self.numel * 2 * (n - 1) / n
+        return step + (share / bps if bps else 0.0)
+
+    def frame_bytes(self, members: list[str]) -> int:
+        """The ring's frame size: the smallest any member's board profile allows
+        (0 leaves the default), so every member can take every frame."""
+        sizes = [int(self.profile(a, "max_frame_bytes")) for a in members]
+        return min((b for b in sizes if b >= 8192), default=0)
+
+    def stall(self, members: list[str], step_timeout_s: float) -> float:
+        """How long without progress ends an epoch: the longest of 3 ring-step
+        deadlines, 20 estimated rounds, and the slowest member's round deadline."""
+        deadline = max((self.profile(a, "round_deadline_s") for a in members), default=0.0)
+        return max(3 * step_timeout_s, 20 * self.round_estimate(members), deadline)
+
+    def probes(self, members: list[str]) -> dict[str, dict[str, float | None]]:
+        return {a: {"step_s": self.step_s.get(a), "link_bps": self.link(a)} for a in members}
