@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,22 +40,44 @@ def external_data_paths(path: Path) -> list[str]:
     except Exception as exc:  # protobuf raises DecodeError and friends
         raise OnnxModelError(f"onnx model {str(path)!r} is not a valid ONNX file: {exc}") from None
     locations = []
-    for tensor in _all_tensors(model.graph):
+    for tensor in _all_tensors(model.graph, model.functions):
         if uses_external_data(tensor):
             info = {e.key: e.value for e in tensor.external_data}
             locations.append(info.get("location", ""))
     return locations
 
 
-def _all_tensors(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
-    tensors = list(graph.initializer)
-    for node in graph.node:
+def _sparse(sparse: onnx.SparseTensorProto) -> list[onnx.TensorProto]:
+    return [sparse.values, sparse.indices]
+
+
+def _node_tensors(nodes: Iterable[onnx.NodeProto]) -> list[onnx.TensorProto]:
+    tensors: list[onnx.TensorProto] = []
+    for node in nodes:
         for attr in node.attribute:
             if attr.HasField("t"):
                 tensors.append(attr.t)
             tensors.extend(attr.tensors)
+            if attr.HasField("sparse_tensor"):
+                tensors.extend(_sparse(attr.sparse_tensor))
+            for sparse in attr.sparse_tensors:
+                tensors.extend(_sparse(sparse))
             for sub in [attr.g, *attr.graphs] if attr.HasField("g") else attr.graphs:
                 tensors.extend(_all_tensors(sub))
+    return tensors
+
+
+def _all_tensors(
+    graph: onnx.GraphProto, functions: Iterable[onnx.FunctionProto] = ()
+) -> list[onnx.TensorProto]:
+    """Every tensor that may carry external data: initializers (dense and sparse),
+    node attributes, subgraphs, and the nodes of the model's local functions."""
+    tensors = list(graph.initializer)
+    for sparse in graph.sparse_initializer:
+        tensors.extend(_sparse(sparse))
+    tensors.extend(_node_tensors(graph.node))
+    for function in functions:
+        tensors.extend(_node_tensors(function.node))
     return tensors
 
 

@@ -38,11 +38,15 @@ def _series(rows: Rows, x: str, y: str) -> tuple[list[float], list[float]]:
 
 
 def _per_round_bytes(rows: Rows) -> list[dict[str, Any]]:
+    """Per-round bytes from a cumulative counter. Where the counter restarts (an MQTT
+    ring re-formed with another head, whose count it then is) the round is left out."""
     out, before = [], 0.0
     for r in rows:
         if "bytes_sent" in r:
-            out.append({"round": r["round"], "bytes": float(r["bytes_sent"]) - before})
-            before = float(r["bytes_sent"])
+            sent = float(r["bytes_sent"])
+            if sent > before:
+                out.append({"round": r["round"], "bytes": sent - before})
+            before = sent
     return out
 
 

@@ -184,3 +184,27 @@ def test_an_exporter_failure_is_an_export_error(
     model = build_model("mlp", (64,), 10, seed=0)
     with pytest.raises(ExportError, match=r"model\.onnx: torch\.onnx\.export failed.*weird"):
         export_onnx(model, (64,), tmp_path / "model.onnx")
+
+
+def test_a_sparse_initializer_pointing_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    from fedring.onnx_model import external_data_paths
+
+    values = numpy_helper.from_array(np.ones(2, dtype=np.float32), "w_values")
+    values.data_location = TensorProto.EXTERNAL
+    values.ClearField("raw_data")
+    values.external_data.add(key="location", value="../stolen.bin")
+    indices = numpy_helper.from_array(np.array([0, 4], dtype=np.int64), "w_indices")
+    sparse = helper.make_sparse_tensor(values, indices, [6])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        sparse_initializer=[sparse],
+    )  # fmt: skip
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path = folder / "model.onnx"
+    path.write_bytes(helper.make_model(graph).SerializeToString())
+    assert external_data_paths(path) == ["../stolen.bin"]
+    with pytest.raises(OnnxModelError, match=r"'\.\./stolen\.bin' is outside"):
+        OnnxModel.load(path)
