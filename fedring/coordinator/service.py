@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -33,6 +32,7 @@ import torch
 
 from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
+from fedring.coordinator import outputs
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.coordinator.membership import Fleet
 from fedring.counters import Counters
@@ -350,37 +350,14 @@ class Coordinator:
             log.error("checkpoint of round %d is not the agents' final model", self.ck.round)
         summary["checkpoint_round"] = self.ck.round
         if self.opts.export_onnx:
-            summary["onnx"] = self._export()
+            summary["onnx"] = outputs.export(self.opts.out, self.counters)
         ring = [b["ring"] for b in summary["agent_bytes"].values()]
         summary["bytes_sent_per_agent"] = sum(ring) / max(len(ring), 1)
         summary["layout"] = layout_name(self.spec.topology, len(ep.members))
-        summary["outputs"] = self._report(summary)
         summary["coordinator_counters"] = self.counters.snapshot()
-        (self.opts.out / "summary.json").write_text(_json(summary))
-        return summary
-
-    def _report(self, summary: dict[str, Any]) -> dict[str, str]:
-        """metrics.jsonl (the head's rows; after `--resume`, from there on) and report.md."""
-        from fedring.sim.report import write_report_for
-
         rows = [self.rows[r] for r in sorted(self.rows)]
-        metrics = self.opts.out / "metrics.jsonl"
-        metrics.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
-        spec = self.spec.replace(agents=len(summary["members"]))
-        command = f"fedring coordinator run (job {summary['job']})"
-        paths = write_report_for(self.opts.out, spec, {**summary, "rows": rows}, command=command)
-        return {"metrics": str(metrics), "summary": str(self.opts.out / "summary.json"), **paths}
-
-    def _export(self) -> dict[str, Any]:
-        """Export the final checkpoint; a failed check is reported, not raised."""
-        from fedring.coordinator.onnx_export import ExportError, export_from_checkpoint
-
-        try:
-            return export_from_checkpoint(self.opts.out, self.opts.out / "model.onnx")
-        except (ExportError, ValueError) as exc:
-            self.counters.add("onnx_export_failed")
-            log.error("ONNX export failed: %s", exc)
-            return {"error": str(exc)}
+        outputs.write(self.opts.out, self.spec.replace(agents=len(ep.members)), summary, rows)
+        return summary
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -438,7 +415,3 @@ class Coordinator:
 def _slug(text: str) -> str:
     keep = "".join(c if c.isalnum() else "-" for c in text.split(":")[0])
     return keep[:24] or "job"
-
-
-def _json(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
