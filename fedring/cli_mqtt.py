@@ -83,7 +83,8 @@ def agent_cmd(
     agent_id: str = typer.Option(..., "--id", help="This board's id (letters, digits, _ . -)."),
     data_dir: Path | None = typer.Option(None, "--data-dir", help="Where npz:PATH datasets live."),
     profile: str = typer.Option(
-        "auto", "--profile", help="Board profile: auto (detect) or NAME[/wifi|/ethernet]."
+        "auto", "--profile",
+        help="Board profile: auto (detect), NAME[/wifi|/ethernet], or a file PATH.toml[/LINK].",
     ),
     threads: int | None = typer.Option(
         None, "--threads", min=1, help="torch threads for training. [the profile's]"

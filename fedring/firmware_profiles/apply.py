@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -158,13 +159,21 @@ def check_budget(profile: Profile, estimate: MemoryEstimate) -> None:
 
 
 def resolve(choice: str) -> tuple[Profile, str | None, str]:
-    """``auto`` (detect this board), or ``NAME[/wifi|/ethernet]``: (profile, link, why)."""
+    """``auto`` (detect this board), ``NAME[/wifi|/ethernet]``, or a profile file
+    ``PATH.toml[/LINK]`` checked like `fedring profile check`: (profile, link, why)."""
     from fedring.firmware_profiles.detect import detect
-    from fedring.firmware_profiles.schema import ProfileError, load_builtin
+    from fedring.firmware_profiles.schema import ProfileError, load_builtin, load_profile
 
     if choice == "auto":
         found = detect()
         return found.profile, None, found.reason
+    if ".toml" in choice:
+        path, _, link = choice.partition(".toml")
+        profile = load_profile(Path(path + ".toml"))
+        link = link.removeprefix("/")
+        if link:
+            profile.link(link)
+        return profile, link or None, f"--profile {choice}"
     name, _, link = choice.partition("/")
     profile = load_builtin(name)
     if link:

@@ -47,9 +47,11 @@ def _tegra_name(release: str) -> str | None:
     major = re.search(r"#\s*R(\d+)", release)
     if major is None:
         return None
-    if int(major.group(1)) >= 35:
-        return "jetson-orin-nano"
-    return "jetson-nano" if "t210" in release else "jetson-xavier-nx"
+    if "t210" in release:  # BOARD: t210ref, Jetson Nano (L4T R32 only)
+        return "jetson-nano"
+    if "t186" in release or "t194" in release:  # BOARD: t186ref, Xavier (R32 and R35)
+        return "jetson-xavier-nx"
+    return "jetson-orin-nano" if int(major.group(1)) >= 35 else "jetson-xavier-nx"
 
 
 def _family(model: str, profiles: dict[str, Any], mem: int | None) -> Detection | None:

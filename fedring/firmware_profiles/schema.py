@@ -159,9 +159,13 @@ def _str_list(where: str, path: str, value: list[Any], length: int | None = None
     if length is None and not all(isinstance(v, str) for v in value):
         raise ProfileError(f"{where}: field {path!r}={value!r} must be a list of strings")
     if length is not None and (
-        len(value) != length or not all(isinstance(v, int) and v >= 0 for v in value)
+        len(value) != length
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+        or value[0] >= value[1]
     ):
-        raise ProfileError(f"{where}: field {path!r}={value!r} must be [low, high] in MB")
+        raise ProfileError(
+            f"{where}: field {path!r}={value!r} must be [low, high] in MB with low < high"
+        )
     return value
 
 

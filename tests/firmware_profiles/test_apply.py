@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -42,6 +44,20 @@ def test_settings_come_from_the_profile_and_flags_override_threads() -> None:
     assert resolve("rpi4/ethernet")[1] == "ethernet"
     with pytest.raises(ProfileError, match="no 'ethernet' link"):
         resolve("rpi-zero-2w/ethernet")
+
+
+def test_a_profile_file_is_checked_and_used(tmp_path: Path) -> None:
+    data = resources.files("fedring.firmware_profiles") / "data"
+    mine = tmp_path / "my-board.toml"
+    mine.write_text((data / "rpi4-4gb.toml").read_text().replace("torch_threads = 3",
+                                                                 "torch_threads = 2"))  # fmt: skip
+    profile, link, _ = resolve(f"{mine}/ethernet")
+    assert (profile.torch_threads, link) == (2, "ethernet")
+    assert resolve(str(mine))[1] is None
+    bad = tmp_path / "bad.toml"
+    bad.write_text((data / "rpi4-4gb.toml").read_text().replace("cores = 4\n", "cores = -4\n"))
+    with pytest.raises(ProfileError, match=r"compute\.cores"):
+        resolve(str(bad))
 
 
 def test_activation_bytes_count_every_layer_output_twice() -> None:

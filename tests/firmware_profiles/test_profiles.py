@@ -67,6 +67,7 @@ def test_every_file_says_where_its_compute_figure_comes_from() -> None:
         (("compute", "ram_budget_mb"), 999999, "'compute.ram_budget_mb'=999999 exceeds"),
         (("default_link",), "lte", "'default_link'='lte'"),
         (("training", "batch_size"), True, "'training.batch_size'=True"),
+        (("detect", "ram_mb"), [5000, 2600], "'detect.ram_mb'=[5000, 2600] must be [low, high]"),
     ],
 )
 def test_a_bad_field_is_refused_by_name(path: tuple, value: object, needle: str) -> None:
@@ -154,6 +155,8 @@ def _fake(tmp_path: Path, model: str | None, tegra: str | None, mem_kb: int | No
          None, "jetson-nano"),
         (None, "# R36 (release), REVISION: 4.0, GCID: 2, BOARD: generic, EABI: aarch64",
          None, "jetson-orin-nano"),
+        (None, "# R35 (release), REVISION: 4.1, GCID: 3, BOARD: t186ref, EABI: aarch64",
+         None, "jetson-xavier-nx"),  # JetPack 5 on a Xavier is not an Orin
         # Family members without a profile of their own: the nearest by RAM.
         ("Raspberry Pi 400 Rev 1.0", None, 3_884_000, "rpi4-4gb"),
         ("Raspberry Pi Compute Module 4 Rev 1.0", None, 7_999_000, "rpi4-8gb"),
