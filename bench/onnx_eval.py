@@ -24,16 +24,28 @@ import numpy as np
 
 MODELS = (("mlp", "digits"), ("cnn", "digits"), ("cnn", "mnist1d"))
 
-PEAK = """
+# Shared by both child scripts; they import json, re, statistics, sys and time first.
+COMMON = """
 def peak_rss_mb():
     # VmHWM is this image's own high-water mark; ru_maxrss would carry the forked
     # parent's (this benchmark, with torch loaded) across exec.
     status = open("/proc/self/status").read()
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1)) / 1024
+def median_seconds(call, batch, repeats):
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        call(batch)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+def report(imported, call, x, repeats):
+    full, one = median_seconds(call, x, repeats), median_seconds(call, x[:1], repeats)
+    print(json.dumps({"import_s": imported, "full_ms": full * 1e3, "one_ms": one * 1e3,
+                      "peak_rss_mb": peak_rss_mb(), "torch_imported": "torch" in sys.modules}))
 """
 
 TORCH = (
-    PEAK
+    COMMON
     + """
 import json, re, statistics, sys, time
 t0 = time.perf_counter()
@@ -45,23 +57,15 @@ spec, shape, path = sys.argv[1], tuple(json.loads(sys.argv[2])), sys.argv[3]
 repeats = int(sys.argv[4])
 x = torch.from_numpy(np.load(path)["x_test"])
 model = build_model(spec, shape, 10, seed=0).eval()
-def run(batch):
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        with torch.no_grad():
-            model(batch).argmax(1)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-full, one = run(x), run(x[:1])
-rss = peak_rss_mb()
-print(json.dumps({"import_s": imported, "full_ms": full * 1e3, "one_ms": one * 1e3,
-                  "peak_rss_mb": rss, "torch_imported": "torch" in sys.modules}))
+def call(batch):
+    with torch.no_grad():
+        return model(batch).argmax(1)
+report(imported, call, x, repeats)
 """
 )
 
 ORT = (
-    PEAK
+    COMMON
     + """
 import json, re, statistics, sys, time
 t0 = time.perf_counter()
@@ -71,17 +75,7 @@ imported = time.perf_counter() - t0
 model_path, path, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
 x = np.load(path)["x_test"]
 model = OnnxModel.load(model_path, threads=1)
-def run(batch):
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        model.predict(batch).argmax(1)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-full, one = run(x), run(x[:1])
-rss = peak_rss_mb()
-print(json.dumps({"import_s": imported, "full_ms": full * 1e3, "one_ms": one * 1e3,
-                  "peak_rss_mb": rss, "torch_imported": "torch" in sys.modules}))
+report(imported, lambda batch: model.predict(batch).argmax(1), x, repeats)
 """
 )
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,18 +39,12 @@ def write(
     out: Path, spec: JobSpec, summary: dict[str, Any], rows: Sequence[Mapping[str, Any]]
 ) -> dict[str, str]:
     """metrics.jsonl, report.md with its plots, then summary.json; their paths."""
-    from fedring.sim.report import write_report_for
+    from fedring.sim.report import atomic_write, jsonl, write_report_for
 
     metrics = out / "metrics.jsonl"
-    _atomic(metrics, "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
+    atomic_write(metrics, jsonl(rows))
     command = f"fedring coordinator run (job {summary['job']})"
     paths = write_report_for(out, spec, {**summary, "rows": list(rows)}, command=command)
     summary["outputs"] = {"metrics": str(metrics), "summary": str(out / "summary.json"), **paths}
-    _atomic(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary["outputs"]
-
-
-def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # a reader never sees half a file

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,16 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)  # a reader never sees half a file
+
+
+def jsonl(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One JSON object per line (metrics.jsonl)."""
+    return "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
 
 
 def write_outputs(out: Path, spec: JobSpec, summary: dict[str, Any]) -> dict[str, str]:
@@ -32,14 +39,13 @@ def write_outputs(out: Path, spec: JobSpec, summary: dict[str, Any]) -> dict[str
         "config": out / "config.toml",
         "summary": out / "summary.json",
     }
-    rows = "".join(json.dumps(row, sort_keys=True) + "\n" for row in summary["rows"])
-    _atomic_write(paths["metrics"], rows)
+    atomic_write(paths["metrics"], jsonl(summary["rows"]))
     config = "".join(f"{k} = {_toml_value(v)}\n" for k, v in spec.resolved().items())
-    _atomic_write(
+    atomic_write(
         paths["config"], "# resolved job: `fedring simulate --config` reads it back\n" + config
     )
     brief = {k: v for k, v in summary.items() if k != "rows"}
-    _atomic_write(paths["summary"], json.dumps(brief, indent=2, sort_keys=True) + "\n")
+    atomic_write(paths["summary"], json.dumps(brief, indent=2, sort_keys=True) + "\n")
     return {k: str(v) for k, v in paths.items()}
 
 

@@ -121,6 +121,11 @@ class Deployment:
         return [pid for pid, sid, state in _processes() if sid in sids and state != "Z"]
 
 
+def session_members(sid: int) -> list[int]:
+    """Live processes (zombies left out) of session `sid`."""
+    return [pid for pid, s, state in _processes() if s == sid and state != "Z"]
+
+
 def _processes() -> list[tuple[int, int, str]]:
     out = []
     for entry in Path("/proc").iterdir():
@@ -142,6 +147,6 @@ def _stop_session(sid: int, kill_first: bool) -> None:
                     os.kill(pid, sig)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            if not [p for p, s, st in _processes() if s == sid and st != "Z"]:
+            if not session_members(sid):
                 return
             time.sleep(0.1)

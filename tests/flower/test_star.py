@@ -20,6 +20,7 @@ from fedring.flower.node import OutOfSync, apply_downlink, enrol, train_round
 from fedring.flower.server_app import job_from_run_config
 from fedring.flower.star import GlobalModel, combine
 from fedring.sim.runner import plan
+from tests.flower.deployment import session_members
 
 SPEC = JobSpec(
     agents=2, dataset="digits", topology="star", sync="local", local_steps=2, lr=0.05, rounds=2
@@ -157,20 +158,7 @@ def test_cli_deadline_stops_every_process(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert "deadline" in r.stderr
     sid = int((tmp_path / "flower.pid").read_text())
-    assert _session_members(sid) == []
-
-
-def _session_members(sid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid:  # field 6 of /proc/PID/stat: the session id
-                found.append(int(entry.name))
-    return found
+    assert session_members(sid) == []
 
 
 def test_compressed_downlink_moves_the_model_by_exactly_what_is_sent() -> None:
