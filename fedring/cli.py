@@ -19,6 +19,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
@@ -26,6 +27,7 @@ from fedring import __version__, cli_export, cli_mqtt, cli_profile
 from fedring.cli_flower import flower_app
 
 app = typer.Typer(
+    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
     help="Train one PyTorch model across edge boards: group-top-k + error feedback, "
     "exchanged in a ring over MQTT or Flower.",
     no_args_is_help=True,
@@ -33,6 +35,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,  # locals can hold keys and whole datasets
 )
 bench_app = typer.Typer(
+    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
     help="Benchmarks that print fedring beside its baselines, measured in the same run.",
     no_args_is_help=True,
 )
@@ -255,10 +258,10 @@ def simulate_cmd(
             dense_spec = dense_twin(spec)
             baseline = simulate(dense_spec) if with_dense and dense_spec != spec else None
         except (ValueError, FileNotFoundError) as exc:  # refused input: shards, model, dataset
-            err.print(f"[red]error: {exc}[/red]")
+            err.print(f"[red]error: {escape(str(exc))}[/red]")
             raise typer.Exit(2) from None
         except Exception as exc:
-            err.print(f"[red]run failed: {type(exc).__name__}: {exc}[/red]")
+            err.print(f"[red]run failed: {type(exc).__name__}: {escape(str(exc))}[/red]")
             raise typer.Exit(1) from None
     if members is not None and host is not None:
         summary.update(fleet_clock.estimate(spec, summary, members, host))
@@ -276,7 +279,7 @@ def simulate_cmd(
     else:
         Console().print(_simulate_table(spec, brief))
     if "error" in onnx:
-        err.print(f"[red]ONNX export failed its checks: {onnx['error']}[/red]")
+        err.print(f"[red]ONNX export failed its checks: {escape(str(onnx['error']))}[/red]")
         raise typer.Exit(1)
 
 
@@ -367,5 +370,5 @@ def main() -> None:
     try:
         app()
     except ValueError as exc:  # input our own checks refused
-        err.print(f"[red]error: {exc}[/red]")
+        err.print(f"[red]error: {escape(str(exc))}[/red]")
         sys.exit(2)

@@ -17,7 +17,11 @@ from typing import Any
 
 import typer
 
-export_app = typer.Typer(help="Export a trained model for deployment.", no_args_is_help=True)
+export_app = typer.Typer(
+    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
+    help="Export a trained model for deployment.",
+    no_args_is_help=True,
+)
 
 
 def _checkpoint_dir(path: Path) -> Path:

@@ -17,9 +17,11 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 flower_app = typer.Typer(
+    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
     help="Run fedring jobs on Flower (simulation engine; see docs/flower.md for deployment).",
     no_args_is_help=True,
 )
@@ -95,13 +97,13 @@ def simulate_cmd(
         spec = JobSpec.from_toml(config, base) if config else JobSpec.from_mapping(base)
         job = FlowerJob(spec, downlink, round_timeout, server_momentum)
     except ValueError as exc:
-        err.print(f"[red]error: {exc}[/red]")
+        err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
     with tempfile.TemporaryDirectory(prefix="fedring-flower-") as tmp:
         try:
             summary = simulate(job, out or Path(tmp), timeout_s=timeout, cpus=cpus)
         except SimulationError as exc:
-            err.print(f"[red]run failed: {exc}[/red]")
+            err.print(f"[red]run failed: {escape(str(exc))}[/red]")
             raise typer.Exit(1) from None
     brief = {k: v for k, v in summary.items() if k != "rows"}
     if as_json:

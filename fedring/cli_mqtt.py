@@ -20,11 +20,14 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 
 err = Console(stderr=True)
 coordinator_app = typer.Typer(
-    help="Drive a training job over an MQTT broker.", no_args_is_help=True
+    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
+    help="Drive a training job over an MQTT broker.",
+    no_args_is_help=True,
 )
 
 
@@ -83,7 +86,8 @@ def agent_cmd(
     agent_id: str = typer.Option(..., "--id", help="This board's id (letters, digits, _ . -)."),
     data_dir: Path | None = typer.Option(None, "--data-dir", help="Where npz:PATH datasets live."),
     profile: str = typer.Option(
-        "auto", "--profile",
+        "auto",
+        "--profile",
         help="Board profile: auto (detect), NAME[/wifi|/ethernet], or a file PATH.toml[/LINK].",
     ),
     threads: int | None = typer.Option(
@@ -128,7 +132,7 @@ def agent_cmd(
     try:
         code = daemon.run()
     except (BrokerUnreachable, BrokerRefused) as exc:
-        err.print(f"[red]error: {exc}[/red]")
+        err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
     raise typer.Exit(code)
 
@@ -171,7 +175,7 @@ def coordinator_run(
                 "aggregator, which runs only in `fedring simulate` so far; use a ring mode"
             )
     except ValueError as exc:
-        err.print(f"[red]error: {exc}[/red]")
+        err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
     with Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
         task = progress.add_task(
@@ -186,10 +190,10 @@ def coordinator_run(
         try:
             summary = Coordinator(spec, cfg, opts).run()
         except CheckpointError as exc:
-            err.print(f"[red]error: {exc}[/red]")
+            err.print(f"[red]error: {escape(str(exc))}[/red]")
             raise typer.Exit(2) from None
         except (CoordinatorError, BrokerUnreachable, BrokerRefused) as exc:
-            err.print(f"[red]run failed: {exc}[/red]")
+            err.print(f"[red]run failed: {escape(str(exc))}[/red]")
             raise typer.Exit(1) from None
     if as_json:
         typer.echo(json.dumps(summary, sort_keys=True))
@@ -244,7 +248,7 @@ def bench_mqtt_cmd(
                 agents, rounds, density, dataset, seed, checkpoint_every, on_round=tick
             )
         except MosquittoMissing as exc:
-            err.print(f"[red]error: {exc}[/red]")
+            err.print(f"[red]error: {escape(str(exc))}[/red]")
             raise typer.Exit(2) from None
     if as_json:
         typer.echo(json.dumps(result, sort_keys=True))

@@ -20,7 +20,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-profile_app = typer.Typer(help="Board profiles: list, show, detect, check.", no_args_is_help=True)
+profile_app = typer.Typer(
+    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
+    help="Board profiles: list, show, detect, check.",
+    no_args_is_help=True,
+)
 
 
 def _doc(p: Any) -> dict[str, Any]:

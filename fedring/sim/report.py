@@ -69,8 +69,12 @@ def run_name(spec: JobSpec) -> str:
 
 
 def write_report_for(
-    out: Path, spec: JobSpec, summary: dict[str, Any], baseline: dict[str, Any] | None = None,
-    *, command: str = "fedring simulate",
+    out: Path,
+    spec: JobSpec,
+    summary: dict[str, Any],
+    baseline: dict[str, Any] | None = None,
+    *,
+    command: str = "fedring simulate",
 ) -> dict[str, str]:
     """`report.md` and plots for a simulate run, beside its dense baseline when one ran."""
     from fedring.coordinator.report import write_report
