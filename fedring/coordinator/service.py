@@ -88,6 +88,7 @@ class Coordinator:
         self.rows: dict[int, dict[str, Any]] = {}  # the head's metrics by round (a redo replaces)
         self.refused: set[str] = set()  # agents that cannot take this job
         self.events: list[dict[str, Any]] = []  # wall-clock times of re-formations
+        self.t0: float | None = None  # training starts: rows carry "wall_s" since then
 
     # -- the job ------------------------------------------------------------------
 
@@ -227,6 +228,8 @@ class Coordinator:
         if msg.kind == "ack":
             ep.acks.add(msg.src)
             self.fleet.on_ack(msg.src, msg.doc)
+            if self.t0 is None and len(ep.acks) == len(ep.members):
+                self.t0 = time.perf_counter()  # every agent holds its shard and model
         elif msg.kind == "nack":
             self.counters.add("agent_nack")
             if str(msg.doc.get("why", "")).startswith("refused"):
@@ -253,6 +256,8 @@ class Coordinator:
                 self.counters.add("hash_mismatch")
                 log.error("round %d: model hashes disagree: %s", rnd, seen)
         if msg.src == ep.members[0]:
+            if self.t0 is not None:
+                row = {**row, "wall_s": round(time.perf_counter() - self.t0, 4)}
             self.last_row = row
             self.rows[rnd] = {k: v for k, v in row.items() if k != "sha256"}
             if self.opts.on_round is not None:

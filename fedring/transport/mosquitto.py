@@ -17,7 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
@@ -49,9 +49,15 @@ class Mosquitto:
         acl: str | Path | None = None,
         sys_interval: int = 0,
         workdir: str | Path | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.binary = mosquitto_binary()
-        self.port = free_port()
+        self.host = host
+        self.port = port or free_port()
+        # e.g. ("ip", "netns", "exec", NS): run (and probe for readiness) in a namespace
+        self.prefix = tuple(prefix)
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="fedring-mosquitto-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.persistence = persistence
@@ -63,11 +69,11 @@ class Mosquitto:
 
     @property
     def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
+        return f"mqtt://{self.host}:{self.port}"
 
     def _write_config(self) -> Path:
         lines = [
-            f"listener {self.port} 127.0.0.1",
+            f"listener {self.port} {self.host}",
             "per_listener_settings false",
             "set_tcp_nodelay true",
             f"allow_anonymous {'false' if self.users else 'true'}",
@@ -108,7 +114,7 @@ class Mosquitto:
     def start(self, timeout: float = 10.0) -> Mosquitto:
         conf = self._write_config()
         self.proc = subprocess.Popen(
-            [self.binary, "-c", str(conf)],
+            [*self.prefix, self.binary, "-c", str(conf)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
@@ -119,14 +125,22 @@ class Mosquitto:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 tail = self.log.read_text()[-2000:] if self.log.exists() else ""
                 raise RuntimeError(f"mosquitto exited at start: {err}{tail}")
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), 0.2),
-            ):
+            if self._listening():
                 return self
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"mosquitto did not listen on port {self.port} within {timeout} s")
+
+    def _listening(self) -> bool:
+        if self.prefix:  # another namespace: ask `ss` there instead of connecting from here
+            found = subprocess.run(
+                [*self.prefix, "ss", "-ltnH", f"sport = :{self.port}"],
+                capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            return bool(found.stdout.strip())
+        with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), 0.2):
+            return True
+        return False
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM (persistence is saved on the way out), SIGKILL if it lingers."""

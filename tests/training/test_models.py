@@ -199,7 +199,7 @@ def test_broken_factory_spec_names_the_spec(spec: str) -> None:
 
 
 def test_unknown_spec_lists_the_choices() -> None:
-    with pytest.raises(ModelError, match=r"'resnet'.*mlp, cnn, MODULE:FACTORY"):
+    with pytest.raises(ModelError, match=r"'resnet'.*mlp, mlp:W1xW2..., cnn, MODULE:FACTORY"):
         build_model("resnet", DIGITS, 10, seed=0)
 
 
@@ -220,3 +220,17 @@ def test_bad_num_classes_and_empty_shape_are_model_errors() -> None:
         build_model("mlp", DIGITS, 0, seed=0)
     with pytest.raises(ModelError, match="feature_shape="):
         build_model("mlp", (1, 0), 10, seed=0)
+
+
+def test_mlp_widths_set_the_hidden_layers() -> None:
+    model = build_model("mlp:512x512", (1, 8, 8), 10, seed=0)
+    assert param_count(model) == 64 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
+    assert params_sha256(build_model("mlp:128x64", (1, 8, 8), 10, 0)) == params_sha256(
+        build_model("mlp", (1, 8, 8), 10, 0)
+    )
+
+
+@pytest.mark.parametrize("spec", ["mlp:", "mlp:0x5", "mlp:12a", "mlp:" + "x".join(["4"] * 9)])
+def test_bad_mlp_widths_are_refused_with_the_spec(spec: str) -> None:
+    with pytest.raises(ModelError, match="mlp:W1xW2"):
+        build_model(spec, (1, 8, 8), 10, seed=0)

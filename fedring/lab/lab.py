@@ -1,0 +1,213 @@
+"""`Lab`: a shaped network (see `netns`), Mosquitto in its hub, and processes on nodes.
+
+    with Lab(agents=4, bandwidth_mbps=10, workdir=Path("runs/lab")) as lab:
+        lab.start_agents()
+        result = lab.run_job(JobSpec(agents=4, rounds=200), timeout_s=600)
+
+Every process is started with `launch(node, argv, log, env)` (the same contract as
+`fedring.bench.launch`: the baselines start their servers and workers through it),
+in its own session, and recorded by PID. Leaving the `with` block, normally, by an
+exception, or by SIGTERM/SIGHUP (turned into `SystemExit` while the lab is open),
+stops the recorded processes by PID, then ends whatever is still inside the lab's
+namespaces and deletes them. `close()` returns what it could not remove.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from fedring.config import JobSpec
+from fedring.lab import netns
+from fedring.lab.netns import Net
+from fedring.transport.mosquitto import Mosquitto
+
+log = logging.getLogger(__name__)
+
+BROKER_PORT = 1883
+
+
+class LabRunError(RuntimeError):
+    """A job in the lab failed or ran past its time (the logs are named)."""
+
+
+def write_job(spec: JobSpec, path: Path) -> Path:
+    """The job as a TOML file for `fedring coordinator run` (every field, explicitly)."""
+    lines = ["[job]"]
+    for key, value in spec.resolved().items():
+        lines.append(f"{key} = {json.dumps(value)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class Lab:
+    def __init__(
+        self,
+        agents: int,
+        bandwidth_mbps: float,
+        *,
+        workdir: Path,
+        downlink_mbps: float | None = None,
+        profile: str = "",
+        threads: int = 1,
+    ) -> None:
+        self.net = Net(agents, os.getpid())
+        self.up, self.down = bandwidth_mbps, downlink_mbps or bandwidth_mbps
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.profile, self.threads = profile, threads
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.agents: list[subprocess.Popen[bytes]] = []
+        self.broker: Mosquitto | None = None
+        self._old_handlers: dict[int, Any] = {}
+
+    # -- building and tearing down ----------------------------------------------
+
+    def __enter__(self) -> Lab:
+        self._trap()
+        try:
+            netns.build(self.net, self.up, self.down)
+            self.broker = Mosquitto(
+                workdir=self.workdir / "broker", host=netns.HUB_ADDR, port=BROKER_PORT,
+                prefix=self.net.exec("hub"),
+            ).start()  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        left = self.close()
+        if left:
+            log.error("lab left behind: %s", left)
+
+    def _trap(self) -> None:
+        """While open, SIGTERM and SIGHUP unwind the stack so teardown runs."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def leave(signum: int, _frame: FrameType | None) -> None:
+            raise SystemExit(128 + signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._old_handlers[sig] = signal.signal(sig, leave)
+
+    def close(self) -> list[str]:
+        """Stop every process by PID, then delete the namespaces; return leftovers."""
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+        if self.broker is not None:
+            self.broker.stop()
+        for _, proc in reversed(self.procs):
+            stop(proc)
+        left = netns.destroy(self.net.namespaces())
+        alive = [f"{name} (pid {p.pid})" for name, p in self.procs if p.poll() is None]
+        return left + alive
+
+    # -- processes ------------------------------------------------------------------
+
+    def launch(
+        self, node: str, argv: list[str], log_path: Path, env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start `argv` on `node` ("hub" or "a<i>"), in its own session, logging to a file."""
+        if node != "hub" and node not in self.net.nodes():
+            raise ValueError(f"node={node!r} is not 'hub' or one of a0..a{self.net.agents - 1}")
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                [*self.net.exec(node), *argv], stdout=out, stderr=subprocess.STDOUT,
+                env=dict(env) if env is not None else None, start_new_session=True,
+            )  # fmt: skip
+        self.procs.append((f"{node}:{Path(argv[0]).name}", proc))
+        return proc
+
+    def host(self, node: str) -> str:
+        return self.net.host(node)
+
+    @property
+    def broker_url(self) -> str:
+        return f"mqtt://{netns.HUB_ADDR}:{BROKER_PORT}"
+
+    def start_agents(self) -> None:
+        """One `fedring agent` daemon per agent namespace, connected to the hub's broker."""
+        for i, node in enumerate(self.net.nodes()):
+            argv = [sys.executable, "-m", "fedring", "agent", "--broker", self.broker_url,
+                    "--id", f"lab-{i}", "--threads", str(self.threads)]  # fmt: skip
+            if self.profile:
+                argv += ["--profile", self.profile]
+            self.agents.append(self.launch(node, argv, self.workdir / f"agent-{i}.log"))
+
+    def stop_agents(self) -> None:
+        for proc in self.agents:
+            stop(proc)
+        self.agents.clear()
+
+    def link_bytes(self) -> dict[str, tuple[int, int]]:
+        return {node: netns.link_bytes(self.net, node) for node in self.net.nodes()}
+
+    def run_job(self, spec: JobSpec, *, name: str = "job", timeout_s: float = 600.0,
+                onnx: bool = False) -> dict[str, Any]:  # fmt: skip
+        """Run one job with the coordinator on the hub; its summary, per-round rows and
+        the bytes each agent's interface sent and received during it."""
+        out = self.workdir / name
+        out.mkdir(parents=True, exist_ok=True)
+        job = write_job(spec, out / "job.toml")
+        argv = [sys.executable, "-m", "fedring", "coordinator", "run", str(job),
+                "--broker", self.broker_url, "--out", str(out), "--enrol-timeout", "120",
+                "--onnx" if onnx else "--no-onnx", "--json"]  # fmt: skip
+        before = self.link_bytes()
+        start = time.monotonic()
+        proc = self.launch("hub", argv, out / "coordinator.log")
+        try:
+            rc = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            raise LabRunError(f"{name}: no result within {timeout_s:g} s; see {out}") from None
+        after = self.link_bytes()
+        summary_path = out / "summary.json"
+        if rc != 0 or not summary_path.exists():
+            tail = (out / "coordinator.log").read_text(errors="replace")[-1500:]
+            raise LabRunError(f"{name}: coordinator exited {rc}; {out}/coordinator.log:\n{tail}")
+        summary = json.loads(summary_path.read_text())
+        rows = list(_jsonl(out / "metrics.jsonl"))
+        return {
+            "summary": summary,
+            "rows": rows,
+            "wall_seconds": time.monotonic() - start,
+            "link_bytes": {
+                n: [after[n][0] - before[n][0], after[n][1] - before[n][1]] for n in after
+            },
+            "out": str(out),
+        }
+
+
+def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                yield json.loads(line)
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM the process's session, SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(grace_s)
