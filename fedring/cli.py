@@ -25,9 +25,10 @@ from rich.table import Table
 
 from fedring import __version__, cli_export, cli_mqtt, cli_profile
 from fedring.cli_flower import flower_app
+from fedring.cli_lab import lab_app
 
 app = typer.Typer(
-    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
+    rich_markup_mode="markdown",  # not "rich": NAME[/LINK] and [defaults] stay literal
     help="Train one PyTorch model across edge boards: group-top-k + error feedback, "
     "exchanged in a ring over MQTT or Flower.",
     no_args_is_help=True,
@@ -35,7 +36,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,  # locals can hold keys and whole datasets
 )
 bench_app = typer.Typer(
-    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
+    rich_markup_mode="markdown",  # not "rich": NAME[/LINK] and [defaults] stay literal
     help="Benchmarks that print fedring beside its baselines, measured in the same run.",
     no_args_is_help=True,
 )
@@ -46,6 +47,7 @@ app.add_typer(cli_mqtt.coordinator_app, name="coordinator")
 app.add_typer(cli_export.export_app, name="export")
 app.add_typer(cli_profile.profile_app, name="profile")
 app.add_typer(flower_app, name="flower")
+app.add_typer(lab_app, name="lab")
 err = Console(stderr=True)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import typer
 
 export_app = typer.Typer(
-    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
+    rich_markup_mode="markdown",  # not "rich": NAME[/LINK] and [defaults] stay literal
     help="Export a trained model for deployment.",
     no_args_is_help=True,
 )

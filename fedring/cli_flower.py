@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 flower_app = typer.Typer(
-    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
+    rich_markup_mode="markdown",  # not "rich": NAME[/LINK] and [defaults] stay literal
     help="Run fedring jobs on Flower (simulation engine; see docs/flower.md for deployment).",
     no_args_is_help=True,
 )

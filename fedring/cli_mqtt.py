@@ -25,7 +25,7 @@ from rich.progress import Progress
 
 err = Console(stderr=True)
 coordinator_app = typer.Typer(
-    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
+    rich_markup_mode="markdown",  # not "rich": NAME[/LINK] and [defaults] stay literal
     help="Drive a training job over an MQTT broker.",
     no_args_is_help=True,
 )

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 profile_app = typer.Typer(
-    rich_markup_mode=None,  # help shows NAME[/LINK] and [defaults] literally
+    rich_markup_mode="markdown",  # not "rich": NAME[/LINK] and [defaults] stay literal
     help="Board profiles: list, show, detect, check.",
     no_args_is_help=True,
 )

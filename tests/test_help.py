@@ -29,7 +29,7 @@ def test_help_renders(path: tuple[str, ...]) -> None:
 
 
 def test_help_keeps_brackets() -> None:
-    out = CliRunner().invoke(app, ["simulate", "--help"], terminal_width=200).output
+    out = CliRunner(env={"COLUMNS": "240"}).invoke(app, ["simulate", "--help"]).output
     assert "NAME[/wifi|/ethernet][:COUNT]" in out
     assert "[digits]" in out
     assert len(COMMANDS) > 10  # the walk found the sub-commands

@@ -82,6 +82,7 @@ class Lab:
                 workdir=self.workdir / "broker", host=netns.HUB_ADDR, port=BROKER_PORT,
                 prefix=self.net.exec("hub"),
             ).start()  # fmt: skip
+            self._record()
         except BaseException:
             self.close()
             raise
@@ -130,7 +131,18 @@ class Lab:
                 env=dict(env) if env is not None else None, start_new_session=True,
             )  # fmt: skip
         self.procs.append((f"{node}:{Path(argv[0]).name}", proc))
+        self._record()
         return proc
+
+    def _record(self) -> None:
+        """`lab.json`: the namespaces (with their inodes) and every PID started, so a
+        test or an operator can check afterwards that nothing outlived the lab."""
+        pids = [p.pid for _, p in self.procs]
+        if self.broker is not None and self.broker.pid is not None:
+            pids.append(self.broker.pid)
+        doc = {"prefix": self.net.prefix, "namespaces": netns.inodes(self.net.namespaces()),
+               "pids": pids}  # fmt: skip
+        (self.workdir / "lab.json").write_text(json.dumps(doc, indent=1))
 
     def host(self, node: str) -> str:
         return self.net.host(node)

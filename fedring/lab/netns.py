@@ -194,6 +194,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def inodes(namespaces: Sequence[str]) -> dict[str, int]:
+    """Inode of each namespace (what /proc/PID/ns/net of a process inside points to)."""
+    out = {}
+    for ns in namespaces:
+        with contextlib.suppress(FileNotFoundError):
+            out[ns] = os.stat(f"/run/netns/{ns}").st_ino
+    return out
+
+
+def processes_in(inode_set: set[int]) -> list[int]:
+    """PIDs of every process whose network namespace is one of `inode_set`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{entry}/ns/net").st_ino in inode_set:
+                found.append(int(entry))
+    return found
+
+
 def link_bytes(net: Net, node: str) -> tuple[int, int]:
     """(sent, received) bytes the kernel counted on an agent's interface."""
     doc = json.loads(sh("ip", "-n", net.ns(node), "-s", "-j", "link", "show", "dev", AGENT_IFACE))
