@@ -25,7 +25,7 @@ from rich.table import Table
 
 from fedring import __version__, cli_export, cli_mqtt, cli_profile
 from fedring.cli_flower import flower_app
-from fedring.cli_lab import lab_app
+from fedring.cli_lab import bench_lab_cmd, lab_app
 
 app = typer.Typer(
     rich_markup_mode="markdown",  # not "rich": NAME[/LINK] and [defaults] stay literal
@@ -43,6 +43,7 @@ bench_app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 app.command("agent")(cli_mqtt.agent_cmd)
 bench_app.command("mqtt")(cli_mqtt.bench_mqtt_cmd)
+bench_app.command("lab")(bench_lab_cmd)
 app.add_typer(cli_mqtt.coordinator_app, name="coordinator")
 app.add_typer(cli_export.export_app, name="export")
 app.add_typer(cli_profile.profile_app, name="profile")

@@ -124,3 +124,45 @@ def clean_cmd(
         print("no lab namespaces to remove", file=sys.stderr)
     if left:
         raise typer.Exit(1)
+
+
+def bench_lab_cmd(
+    agents: int = typer.Option(4, "--agents", min=1, max=200, help="Agent namespaces."),
+    bandwidth: float = typer.Option(10.0, "--bandwidth", help="Every agent's link, Mbit/s."),
+    task: list[str] = typer.Option(
+        ["digits", "mnist1d"], "--task", help="digits (mlp:512x512 to 95%) | mnist1d (cnn)."
+    ),
+    method: list[str] = typer.Option(
+        [], "--method", help="Only these methods (repeat the flag). [all]"
+    ),
+    seed: int = typer.Option(0, "--seed"),
+    out: Path = typer.Option(Path("runs/edge-lab"), "--out", help="Logs, JSON, plot, report."),
+    timeout: float = typer.Option(900.0, "--timeout", help="Per method, seconds."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """fedring (compressed sync and local, dense) beside Flower FedAvg and gloo DDP on the
+    same shaped links: time to target accuracy, bytes per agent, final accuracy."""
+    from fedring.bench import edge_lab
+    from fedring.lab import netns
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    why = netns.can_build()
+    unknown = [t for t in task if t not in edge_lab.TASKS]
+    if why or unknown:
+        err.print(f"[red]error: {escape(why or f'--task {unknown}: expected digits, mnist1d')}")
+        raise typer.Exit(2)
+
+    def tell(row: edge_lab.Row) -> None:
+        secs = f"{row.seconds_to_target:.1f} s" if row.seconds_to_target else "not reached"
+        err.print(
+            f"{escape(row.task)} | {escape(row.method)}: {secs}, final "
+            f"{row.final_accuracy:.4f}, {row.bytes_sent_per_agent / 1e6:.2f} MB sent/agent"
+        )
+
+    doc = edge_lab.run(agents, bandwidth, tuple(task), tuple(method), seed, out, timeout,
+                       edge_lab.default_baselines(), tell)  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps(doc, sort_keys=True))
+        return
+    print(edge_lab.table(doc))
+    print(f"\nplot: {doc['plot']}  ({doc['bench_seconds']:.0f} s in all)")

@@ -1,0 +1,239 @@
+"""`fedring bench lab`: time to accuracy on shaped links, fedring beside its peers, one run.
+
+One `Lab` (N agent namespaces behind `tc tbf` links of the same bandwidth, a hub
+with Mosquitto) hosts every method in turn, on the same task, data shards and
+initial model:
+
+- fedring, group-top-k 1 % + error feedback, ring over MQTT: ``sync`` and ``local``;
+- fedring, dense ring over MQTT (the same code with ``compression = "none"``);
+- Flower FedAvg, dense, through a SuperLink on the hub and a SuperNode per agent;
+- torch.distributed DDP (gloo), dense all-reduce between the agent namespaces.
+
+Each method stops at the task's target accuracy (or its round budget). Time to
+target counts training only, from the moment every worker is ready (fedring: every
+agent acknowledged the manifest; DDP: after the process group formed; Flower: the
+first round's start); process start-up, dataset loading and enrolment are left out
+for all alike and reported as `wall_seconds`. Bytes are what the kernel counted on
+each agent's interface while the method ran, so MQTT, gRPC and TCP overheads are in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedring.config import JobSpec
+from fedring.lab.lab import Lab
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    dataset: str
+    model: str
+    target: float
+    rounds: int  # budget for the ring methods (one round = one step)
+
+    @property
+    def label(self) -> str:
+        return f"{self.dataset} {self.model} to {self.target:.0%}"
+
+
+TASKS = {
+    # 301 k parameters: a dense exchange costs ~1.4 s per round on 10 Mbit/s links.
+    "digits": Task("digits", "digits", "mlp:512x512", 0.95, 300),
+    # The MNIST-1D paper's CNN: 5 k parameters, so its dense exchange is cheap.
+    "mnist1d": Task("mnist1d", "mnist1d", "cnn", 0.85, 1500),
+}
+
+FEDRING: dict[str, dict[str, Any]] = {
+    "fedring group-top-k 1% sync": {"compression": "group-topk", "density": 0.01},
+    "fedring group-top-k 1% local H=8": {"compression": "group-topk", "density": 0.01,
+                                         "sync": "local", "local_steps": 8},
+    "fedring dense ring": {"compression": "none"},
+}  # fmt: skip
+
+
+@dataclass
+class Row:
+    method: str
+    task: str
+    target: float
+    seconds_to_target: float | None
+    rounds_to_target: int | None
+    final_accuracy: float
+    rounds: int
+    bytes_sent_per_agent: float
+    bytes_received_per_agent: float
+    wall_seconds: float
+    curve: list[tuple[float, float]] = field(default_factory=list)  # (seconds, accuracy)
+    note: str = ""
+
+
+def to_target(
+    curve: list[tuple[float, float, int]], target: float
+) -> tuple[float | None, int | None]:
+    """(seconds, round) of the first point at or above `target`."""
+    for t, acc, r in curve:
+        if acc >= target:
+            return t, r
+    return None, None
+
+
+def _bytes(
+    before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]
+) -> tuple[float, float]:
+    sent = [after[n][0] - before[n][0] for n in after]
+    received = [after[n][1] - before[n][1] for n in after]
+    return sum(sent) / len(sent), sum(received) / len(received)
+
+
+def fedring_row(lab: Lab, task: Task, method: str, overrides: dict[str, Any], seed: int,
+                timeout_s: float) -> Row:  # fmt: skip
+    spec = JobSpec(
+        agents=lab.net.agents, dataset=task.dataset, model=task.model, rounds=task.rounds,
+        eval_every=5 if task.rounds <= 300 else 10, target_accuracy=task.target, seed=seed,
+        checkpoint_every=task.rounds, timeout_s=60.0, **overrides,
+    )  # fmt: skip
+    name = f"{task.name}-{method.replace(' ', '_').replace('%', '').replace('=', '')}"
+    result = lab.run_job(spec, name=name, timeout_s=timeout_s)
+    points = [(float(r["wall_s"]), float(r["accuracy"]), int(r["round"]))
+              for r in result["rows"] if "accuracy" in r and "wall_s" in r]  # fmt: skip
+    seconds, rounds = to_target(points, task.target)
+    sent = [b[0] for b in result["link_bytes"].values()]
+    received = [b[1] for b in result["link_bytes"].values()]
+    summary = result["summary"]
+    return Row(
+        method, task.name, task.target, seconds, rounds, float(summary["final_accuracy"]),
+        int(summary["rounds"]), sum(sent) / len(sent), sum(received) / len(received),
+        float(result["wall_seconds"]), [(t, a) for t, a, _ in points],
+        note="" if summary["identical_models"] else "models differ",
+    )  # fmt: skip
+
+
+Baseline = Callable[[Lab, Task, int, Path, float], Row]
+
+
+def run(
+    agents: int = 4,
+    bandwidth_mbps: float = 10.0,
+    tasks: tuple[str, ...] = ("digits", "mnist1d"),
+    methods: tuple[str, ...] = (),
+    seed: int = 0,
+    out: Path = Path("runs/edge-lab"),
+    timeout_s: float = 900.0,
+    baselines: dict[str, Baseline] | None = None,
+    on_row: Callable[[Row], None] | None = None,
+) -> dict[str, Any]:
+    """Every method on every task in one lab; the rows, then a plot and a report."""
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = methods or (*FEDRING, *(baselines or {}))
+    rows: list[Row] = []
+    start = time.monotonic()
+    with Lab(agents, bandwidth_mbps, workdir=out) as lab:
+        for name in tasks:
+            task = TASKS[name]
+            for method, baseline in (baselines or {}).items():  # before the agent daemons start
+                if method in chosen:
+                    rows.append(_measured(lab, baseline, task, seed, out, timeout_s))
+                    _tell(on_row, rows[-1])
+            lab.start_agents()
+            for method, overrides in FEDRING.items():
+                if method in chosen:
+                    rows.append(fedring_row(lab, task, method, overrides, seed, timeout_s))
+                    _tell(on_row, rows[-1])
+            lab.stop_agents()
+    doc = {
+        "agents": agents, "bandwidth_mbps": bandwidth_mbps, "seed": seed,
+        "bench_seconds": time.monotonic() - start, "rows": [r.__dict__ for r in rows],
+        "speedups": speedups(rows),
+    }  # fmt: skip
+    (out / "edge_lab.json").write_text(json.dumps(doc, indent=1))
+    doc["plot"] = str(plot(rows, out / "edge_lab.png", agents, bandwidth_mbps))
+    return doc
+
+
+def default_baselines() -> dict[str, Baseline]:
+    """Flower FedAvg and gloo DDP, where their modules are available."""
+    return {}
+
+
+def _measured(lab: Lab, baseline: Baseline, task: Task, seed: int, out: Path,
+              timeout_s: float) -> Row:  # fmt: skip
+    before = lab.link_bytes()
+    row = baseline(lab, task, seed, out, timeout_s)
+    row.bytes_sent_per_agent, row.bytes_received_per_agent = _bytes(before, lab.link_bytes())
+    return row
+
+
+def _tell(on_row: Callable[[Row], None] | None, row: Row) -> None:
+    if on_row is not None:
+        on_row(row)
+
+
+def speedups(rows: list[Row]) -> dict[str, dict[str, float | None]]:
+    """Per task: every method's time to target over fedring's fastest compressed one."""
+    out: dict[str, dict[str, float | None]] = {}
+    for task in sorted({r.task for r in rows}):
+        mine = [
+            r.seconds_to_target
+            for r in rows
+            if r.task == task and "group-top-k" in r.method and r.seconds_to_target
+        ]
+        if not mine:
+            continue
+        best = min(t for t in mine if t is not None)
+        out[task] = {r.method: (r.seconds_to_target / best if r.seconds_to_target else None)
+                     for r in rows if r.task == task}  # fmt: skip
+    return out
+
+
+def plot(rows: list[Row], path: Path, agents: int, bandwidth: float) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r.task for r in rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for r in (r for r in rows if r.task == task):
+            if r.curve:
+                xs, ys = zip(*r.curve, strict=True)
+                ax.plot(xs, ys, marker=".", label=r.method)
+            ax.axhline(r.target, color="grey", linestyle=":", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("wall-clock seconds of training (log)")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"{TASKS[task].label}: {agents} agents, {bandwidth:g} Mbit/s each")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The rows as a Markdown table, with each method's time over fedring's best."""
+    lines = [
+        "| task | method | s to target | rounds | × fedring | final acc "
+        "| MB sent/agent | MB recv/agent |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        ratio = doc["speedups"].get(r["task"], {}).get(r["method"])
+        secs = f"{r['seconds_to_target']:.1f}" if r["seconds_to_target"] else "not reached"
+        lines.append(
+            f"| {r['task']} | {r['method']} | {secs} | {r['rounds_to_target'] or r['rounds']} | "
+            f"{f'{ratio:.1f}×' if ratio else '–'} | {r['final_accuracy']:.4f} | "
+            f"{r['bytes_sent_per_agent'] / 1e6:.2f} | {r['bytes_received_per_agent'] / 1e6:.2f} |"
+        )
+    return "\n".join(lines)
