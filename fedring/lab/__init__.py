@@ -1,0 +1,1 @@
+"""The edge lab: namespaces, shaped links, and the processes in them."""
