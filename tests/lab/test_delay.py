@@ -16,10 +16,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
 import fedring
 from fedring.lab.delay import THREAD_NAME, DelayProxy, parse_address
+from fedring.transport.mosquitto import Mosquitto, MosquittoMissing, mosquitto_binary
 
 LOCAL = "127.0.0.1"
 REPO = str(Path(fedring.__file__).resolve().parent.parent)
@@ -223,3 +226,50 @@ def test_cli_rejects_bad_flags() -> None:
     proc = _cli("--listen", f"{LOCAL}:0", "--target", f"{LOCAL}:1", "--delay-ms", "-5")
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 2 and "delay_ms=-5.0 must be" in err, err
+
+
+def _mosquitto_missing() -> str:
+    try:
+        mosquitto_binary()
+    except MosquittoMissing as exc:
+        return str(exc)
+    return ""
+
+
+def mqtt_round_trips(port: int, n: int = 5) -> list[float]:
+    """Publish to a topic the same client subscribes to; seconds from publish to delivery."""
+    connected, subscribed, delivered = threading.Event(), threading.Event(), threading.Event()
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"delay-{port}")
+    client.on_connect = lambda *_: connected.set()
+    client.on_subscribe = lambda *_: subscribed.set()
+    client.on_message = lambda *_: delivered.set()
+    client.connect(LOCAL, port)
+    client.loop_start()
+    try:
+        assert connected.wait(5), "no CONNACK within 5 s"
+        client.subscribe("fedring/lab/delay", qos=0)
+        assert subscribed.wait(5), "no SUBACK within 5 s"
+        times = []
+        for _ in range(n):
+            delivered.clear()
+            t0 = time.perf_counter()
+            client.publish("fedring/lab/delay", b"x", qos=0)
+            assert delivered.wait(5), "the message did not come back within 5 s"
+            times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+@pytest.mark.skipif(bool(_mosquitto_missing()), reason=_mosquitto_missing() or "present")
+def test_mqtt_publish_to_delivery_through_the_proxy() -> None:
+    with Mosquitto() as broker:
+        direct = mqtt_round_trips(broker.port)
+        with DelayProxy((LOCAL, 0), (LOCAL, broker.port), delay_ms=40) as proxy:
+            assert proxy.address is not None
+            delayed = mqtt_round_trips(proxy.address[1])
+    # client → proxy → broker → proxy → client: the delay twice, on top of the direct time
+    assert statistics.median(direct) < 0.020, direct
+    assert min(delayed) >= 0.080, delayed
+    assert statistics.median(delayed) < 0.080 + 0.040, delayed
