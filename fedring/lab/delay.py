@@ -181,6 +181,8 @@ class DelayProxy:
                 group.create_task(self._pipe(f"{n}/down").run(upstream_r, client_w))
         except* (OSError, TimeoutError):
             pass  # a peer reset or the target refused: this connection ends, the proxy goes on
+        except* asyncio.CancelledError:
+            pass  # closed by close(): 3.11 start_server would log a cancelled handler as an error
         finally:
             for writer in writers:
                 writer.close()

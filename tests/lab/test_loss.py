@@ -129,7 +129,7 @@ def send_udp(count: int) -> tuple[int, int]:
     finally:
         if receiver.poll() is None:
             receiver.kill()
-            receiver.wait(5)
+        receiver.communicate(timeout=5)  # reaps it and closes the pipes
 
 
 @needs_netns
