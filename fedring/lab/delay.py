@@ -20,7 +20,8 @@ In a test or a script::
 
 As a process (the lab starts one per agent namespace and stops it by PID)::
 
-    python -m fedring.lab.delay --listen 127.0.0.1:11883 --target 10.250.0.1:1883 --delay-ms 20
+    ip netns exec NS python -m fedring.lab.delay \\
+        --listen 127.0.0.1:1883 --target 10.250.0.1:1883 --delay-ms 20
 
 It prints ``listening on HOST:PORT`` once it accepts connections and exits on
 SIGTERM or SIGINT, closing every connection. It leaves no kernel state behind.

@@ -18,7 +18,11 @@ from a UDP ``sendto``); put loss on the peer's ingress to keep senders unaware.
 `apply_loss` replaces the whole table in one ``nft -f`` transaction run with
 ``ip netns exec NS``, so applying twice leaves the last set only. Remove it with
 `clear_loss` (``ip netns exec NS nft delete table inet fedring_lab``); deleting the
-namespace removes it too. `dropped` reads each rule's counter.
+namespace removes it too. `dropped` reads each rule's counter::
+
+    apply_loss("frl-a1", Loss("veth0", 0.02))  # 2 % each way
+    dropped("frl-a1")  # {("veth0", "ingress"): 3, ("veth0", "egress"): 5}
+    clear_loss("frl-a1")
 """
 
 from __future__ import annotations
