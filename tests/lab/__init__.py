@@ -1,0 +1,1 @@
+"""Tests of the edge lab: delay proxy on loopback, loss in namespaces the tests make."""
