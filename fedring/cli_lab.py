@@ -39,6 +39,12 @@ def run_cmd(
     downlink: float | None = typer.Option(
         None, "--downlink", help="Each agent's downlink in Mbit/s. [= --bandwidth]"
     ),
+    loss: float = typer.Option(
+        0.0, "--loss", help="Fraction of packets dropped each way on every agent link (nftables)."
+    ),
+    delay_ms: float = typer.Option(
+        0.0, "--delay-ms", help="Added each way between agents and the broker (user-space proxy)."
+    ),
     job: Path | None = typer.Option(None, "--job", help="TOML job file; flags below override."),
     dataset: str | None = typer.Option(None, help="digits | mnist1d | synthetic[:N:D:C]."),
     model: str | None = typer.Option(None, help="mlp | mlp:W1xW2... | cnn. [mlp]"),
@@ -59,6 +65,7 @@ def run_cmd(
     """
     from fedring.config import JobSpec
     from fedring.lab import netns
+    from fedring.lab.impair import NftError
     from fedring.lab.lab import Lab, LabRunError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -77,12 +84,21 @@ def run_cmd(
         raise typer.Exit(2) from None
     try:
         with (
-            Lab(agents, bandwidth, downlink_mbps=downlink, workdir=out, profile=profile) as lab,
+            Lab(
+                agents,
+                bandwidth,
+                downlink_mbps=downlink,
+                workdir=out,
+                profile=profile,
+                loss=loss,
+                delay_ms=delay_ms,
+            ) as lab,
             err.status(f"{agents} agents at {bandwidth:g} Mbit/s: running (logs in {out})"),
         ):
             lab.start_agents()
             result = lab.run_job(spec, timeout_s=timeout, onnx=True)
-    except (LabRunError, netns.LabError, ValueError) as exc:
+            dropped = lab.dropped()
+    except (LabRunError, netns.LabError, NftError, ValueError) as exc:
         err.print(f"[red]lab run failed: {escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
     summary = result["summary"]
@@ -95,6 +111,7 @@ def run_cmd(
         "training_seconds": result["rows"][-1].get("wall_s") if result["rows"] else None,
         "wall_seconds": result["wall_seconds"],
         "link_bytes_sent_per_agent": sum(sent) / len(sent), "out": result["out"],
+        "loss": loss, "delay_ms": delay_ms, "packets_dropped": sum(dropped.values()),
     }  # fmt: skip
     if as_json:
         typer.echo(json.dumps(brief, sort_keys=True))

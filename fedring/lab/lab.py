@@ -29,8 +29,9 @@ from types import FrameType
 from typing import Any
 
 from fedring.config import JobSpec
-from fedring.lab import netns
-from fedring.lab.netns import Net
+from fedring.lab import impair, netns
+from fedring.lab.impair import Loss, apply_loss
+from fedring.lab.netns import AGENT_IFACE, Net
 from fedring.transport.mosquitto import Mosquitto
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,12 @@ class Lab:
         downlink_mbps: float | None = None,
         profile: str = "",
         threads: int = 1,
+        loss: float = 0.0,
+        delay_ms: float = 0.0,
     ) -> None:
+        if not 0.0 <= delay_ms <= 10_000:
+            raise ValueError(f"delay_ms={delay_ms} must be in [0, 10000]")
+        self.loss, self.delay_ms = Loss(AGENT_IFACE, loss, "both").loss, delay_ms
         self.net = Net(agents, os.getpid())
         self.up, self.down = bandwidth_mbps, downlink_mbps or bandwidth_mbps
         self.workdir = Path(workdir)
@@ -78,6 +84,9 @@ class Lab:
         self._trap()
         try:
             netns.build(self.net, self.up, self.down)
+            if self.loss:
+                for node in self.net.nodes():
+                    apply_loss(self.net.ns(node), Loss(AGENT_IFACE, self.loss, "both"))
             self.broker = Mosquitto(
                 workdir=self.workdir / "broker", host=netns.HUB_ADDR, port=BROKER_PORT,
                 prefix=self.net.exec("hub"),
@@ -152,13 +161,35 @@ class Lab:
         return f"mqtt://{netns.HUB_ADDR}:{BROKER_PORT}"
 
     def start_agents(self) -> None:
-        """One `fedring agent` daemon per agent namespace, connected to the hub's broker."""
+        """One `fedring agent` daemon per agent namespace, connected to the hub's broker
+        (through a delaying proxy on the agent's own loopback with `delay_ms`)."""
         for i, node in enumerate(self.net.nodes()):
-            argv = [sys.executable, "-m", "fedring", "agent", "--broker", self.broker_url,
+            url = self._proxy(node) if self.delay_ms else self.broker_url
+            argv = [sys.executable, "-m", "fedring", "agent", "--broker", url,
                     "--id", f"lab-{i}", "--threads", str(self.threads)]  # fmt: skip
             if self.profile:
                 argv += ["--profile", self.profile]
             self.agents.append(self.launch(node, argv, self.workdir / f"agent-{i}.log"))
+
+    def _proxy(self, node: str, timeout_s: float = 20.0) -> str:
+        """Start `fedring.lab.delay` on `node`: +delay_ms each way to the broker."""
+        log_path = self.workdir / f"delay-{node}.log"
+        argv = [sys.executable, "-m", "fedring.lab.delay",
+                "--listen", f"127.0.0.1:{BROKER_PORT}", "--target", f"{netns.HUB_ADDR}:{BROKER_PORT}",
+                "--delay-ms", f"{self.delay_ms:g}"]  # fmt: skip
+        proc = self.launch(node, argv, log_path)
+        deadline = time.monotonic() + timeout_s
+        while "listening on" not in log_path.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise LabRunError(f"delay proxy on {node} did not start; see {log_path}")
+            time.sleep(0.1)
+        return f"mqtt://127.0.0.1:{BROKER_PORT}"
+
+    def dropped(self) -> dict[str, int]:
+        """Packets the loss rules dropped on each agent's link so far."""
+        if not self.loss:
+            return {}
+        return {n: sum(impair.dropped(self.net.ns(n)).values()) for n in self.net.nodes()}
 
     def stop_agents(self) -> None:
         for proc in self.agents:

@@ -168,3 +168,18 @@ def test_bad_bandwidth_is_refused_before_anything_is_built(tmp_path: Path) -> No
     with pytest.raises(ValueError, match=r"bandwidth=-1.0 Mbit/s must be in"):
         lab.__enter__()
     assert not any(n.startswith(lab.net.prefix) for n in netns.existing())
+
+
+def test_loss_and_delay_reach_the_agents_links(tmp_path: Path) -> None:
+    spec = JobSpec(agents=2, rounds=30, eval_every=10, checkpoint_every=10, timeout_s=30.0)
+    with Lab(2, 50.0, workdir=tmp_path, loss=0.05, delay_ms=30.0) as lab:
+        lab.start_agents()
+        result = lab.run_job(spec, timeout_s=300)
+        dropped = lab.dropped()
+    assert result["summary"]["identical_models"] and result["summary"]["rounds"] == 30
+    assert all(n > 0 for n in dropped.values()) and len(dropped) == 2, dropped
+    # every ring step crosses two proxies (sender to broker, broker to receiver): >= 60 ms,
+    # and a round of 2 agents has 2 steps
+    per_round = result["rows"][-1]["wall_s"] / 30
+    assert per_round >= 0.12, per_round
+    assert leftovers(tmp_path) == []
