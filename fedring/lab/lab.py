@@ -174,9 +174,9 @@ class Lab:
     def _proxy(self, node: str, timeout_s: float = 20.0) -> str:
         """Start `fedring.lab.delay` on `node`: +delay_ms each way to the broker."""
         log_path = self.workdir / f"delay-{node}.log"
-        argv = [sys.executable, "-m", "fedring.lab.delay",
-                "--listen", f"127.0.0.1:{BROKER_PORT}", "--target", f"{netns.HUB_ADDR}:{BROKER_PORT}",
-                "--delay-ms", f"{self.delay_ms:g}"]  # fmt: skip
+        target = f"{netns.HUB_ADDR}:{BROKER_PORT}"
+        argv = [sys.executable, "-m", "fedring.lab.delay", "--listen", f"127.0.0.1:{BROKER_PORT}",
+                "--target", target, "--delay-ms", f"{self.delay_ms:g}"]  # fmt: skip
         proc = self.launch(node, argv, log_path)
         deadline = time.monotonic() + timeout_s
         while "listening on" not in log_path.read_text(errors="replace"):
