@@ -1,0 +1,59 @@
+"""Where bench processes run: the launcher contract between the baselines and a lab.
+
+A baseline never calls `subprocess.Popen` itself. It asks a `Launch` to start each
+process on a named node and a `Host` for the address other nodes reach that node
+at. Nodes are ``"hub"`` (server side: Flower's SuperLink and ServerApp, `flwr`
+commands) and ``"a0"`` .. ``"a{N-1}"`` (one per agent or client).
+
+On loopback (`local_launch`, `local_host`) every node is this host. The edge lab
+plugs in its own pair: `launch` prefixes the argv with ``ip netns exec NS`` and
+`host` returns the namespace's address. Either way each process must start in
+its own session (``start_new_session=True``) so that `sessions.stop_session` can
+end it and everything it spawned; servers listen on ``0.0.0.0`` so that nodes in
+other namespaces reach them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from fedring.bench.sessions import session_members, stop_session
+
+Launch = Callable[[str, list[str], Path, Mapping[str, str]], "subprocess.Popen[bytes]"]
+Host = Callable[[str], str]
+
+
+class BaselineError(RuntimeError):
+    """A baseline run failed, timed out or left processes behind; the message says which."""
+
+
+def local_launch(
+    node: str, argv: list[str], log: Path, env: Mapping[str, str]
+) -> subprocess.Popen[bytes]:
+    """Start `argv` on this host in a new session, stdout and stderr to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as f:
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=dict(env),
+                                start_new_session=True, cwd=log.parent)  # fmt: skip
+
+
+def local_host(node: str) -> str:
+    """Every node of a loopback run is this host."""
+    return "127.0.0.1"
+
+
+def agent_nodes(n: int) -> list[str]:
+    return [f"a{i}" for i in range(n)]
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
+    """Stop each process's session (SIGTERM, then SIGKILL); return PIDs still alive."""
+    for proc in procs:
+        if proc.poll() is None or session_members(proc.pid):
+            stop_session(proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+    return [pid for proc in procs for pid in session_members(proc.pid)]
