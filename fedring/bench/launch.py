@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from fedring.bench.sessions import session_members, stop_session
+from fedring.bench.sessions import session_members, stop_session, tree_sessions
 
 Launch = Callable[[str, list[str], Path, Mapping[str, str]], "subprocess.Popen[bytes]"]
 Host = Callable[[str], str]
@@ -50,10 +50,50 @@ def agent_nodes(n: int) -> list[str]:
 
 
 def stop_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
-    """Stop each process's session (SIGTERM, then SIGKILL); return PIDs still alive."""
+    """Stop each process's session and its descendants' (SIGTERM, then SIGKILL).
+
+    Returns the PIDs still alive in any of those sessions (empty when all is well).
+    """
+    sids: set[int] = set()
     for proc in procs:
-        if proc.poll() is None or session_members(proc.pid):
-            stop_session(proc.pid)
+        # A reaped PID may be someone else's by now: only its session id is still ours.
+        sids |= tree_sessions(proc.pid) if proc.poll() is None else {proc.pid}
+    for sid in sorted(sids):
+        if session_members(sid):
+            stop_session(sid)
+    for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
-    return [pid for proc in procs for pid in session_members(proc.pid)]
+    return [pid for sid in sorted(sids) for pid in session_members(sid)]
+
+
+def run_on(
+    launch: Launch,
+    node: str,
+    argv: list[str],
+    log: Path,
+    env: Mapping[str, str],
+    timeout_s: float,
+) -> str:
+    """Run a short command on `node` to completion; return its output (the log).
+
+    For what the parent cannot do itself because it may live outside the node's
+    namespace: probe a port, read interface counters, call the `flwr` CLI.
+
+    Raises
+    ------
+    BaselineError
+        Non-zero exit or past `timeout_s` (the command is stopped first).
+    """
+    log.unlink(missing_ok=True)
+    proc = launch(node, argv, log, env)
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_all([proc])
+        raise BaselineError(f"{node}: {argv[:3]} not done after {timeout_s:.0f} s") from None
+    stop_all([proc])  # anything it left in its session
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if code != 0:
+        raise BaselineError(f"{node}: {argv[:3]} exited with {code}:\n{text[-2000:]}")
+    return text

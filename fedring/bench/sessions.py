@@ -27,7 +27,28 @@ def free_port() -> int:
 
 def session_members(sid: int) -> list[int]:
     """Live processes (zombies left out) of session `sid`."""
-    return [pid for pid, s, state in _processes() if s == sid and state != "Z"]
+    return [pid for pid, _, s, state in _processes() if s == sid and state != "Z"]
+
+
+def tree_sessions(pid: int) -> set[int]:
+    """Session ids of `pid` and of all its live descendants.
+
+    Flower's SuperLink starts its SuperExec with ``start_new_session=True``, so a
+    session scan of the SuperLink alone misses the SuperExec and the ServerApp
+    under it; collect the sessions of the whole tree before stopping anything.
+    """
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for p, ppid, _, _ in procs:
+        children.setdefault(ppid, []).append(p)
+    sid_of = {p: s for p, _, s, _ in procs}
+    seen, todo = {pid}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return {pid} | {sid_of[p] for p in seen if p in sid_of}
 
 
 def stop_session(sid: int, kill_first: bool = False, grace_s: float = 5.0) -> None:
@@ -38,7 +59,7 @@ def stop_session(sid: int, kill_first: bool = False, grace_s: float = 5.0) -> No
     """
     signals = [signal.SIGKILL] if kill_first else [signal.SIGTERM, signal.SIGKILL]
     for sig in signals:
-        for pid, s, _ in _processes():
+        for pid, _, s, _ in _processes():
             if s == sid:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, sig)
@@ -49,7 +70,8 @@ def stop_session(sid: int, kill_first: bool = False, grace_s: float = 5.0) -> No
             time.sleep(0.1)
 
 
-def _processes() -> list[tuple[int, int, str]]:
+def _processes() -> list[tuple[int, int, int, str]]:
+    """(pid, ppid, session, state) of every process in /proc."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -57,5 +79,5 @@ def _processes() -> list[tuple[int, int, str]]:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            out.append((int(entry.name), int(fields[3]), fields[0]))  # pid, session, state
+            out.append((int(entry.name), int(fields[1]), int(fields[3]), fields[0]))
     return out

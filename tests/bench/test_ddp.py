@@ -3,46 +3,24 @@
 from __future__ import annotations
 
 import itertools
-import subprocess
-from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
 from fedring.bench.ddp import run_ddp
-from fedring.bench.launch import BaselineError, local_host, local_launch
-from fedring.bench.sessions import free_port, session_members
+from fedring.bench.launch import BaselineError, local_host
+from fedring.bench.sessions import free_port
 from fedring.config import JobSpec
 from fedring.sim.runner import simulate
-
-
-class RecordingLaunch:
-    """`local_launch` that remembers what it started, optionally bending one argv."""
-
-    def __init__(self, bend: dict[str, tuple[str, str]] | None = None) -> None:
-        self.bend = bend or {}
-        self.started: dict[str, subprocess.Popen[bytes]] = {}
-
-    def __call__(
-        self, node: str, argv: list[str], log: Path, env: Mapping[str, str]
-    ) -> subprocess.Popen[bytes]:
-        if node in self.bend:
-            old, new = self.bend[node]
-            argv = [new if a == old else a for a in argv]
-        proc = local_launch(node, argv, log, env)
-        self.started[node] = proc
-        return proc
-
-    def leftovers(self) -> list[int]:
-        return [pid for p in self.started.values() for pid in session_members(p.pid)]
+from tests.bench.launching import RecordingLaunch, processes_mentioning
 
 
 def test_four_ranks_reach_the_target_like_fedrings_dense_ring(tmp_path: Path) -> None:
     launch = RecordingLaunch()
     r = run_ddp(4, launch, local_host, rounds=300, eval_every=5, target=0.95, out=tmp_path,
                 timeout_s=90)  # fmt: skip
-    assert sorted(launch.started) == ["a0", "a1", "a2", "a3"]
-    assert launch.leftovers() == []
+    assert launch.nodes == ["a0", "a1", "a2", "a3"]
+    assert processes_mentioning(str(tmp_path)) == []
     assert r["final_accuracy"] >= 0.95 and r["seconds_to_target"] is not None
     rows = r["metrics"]
     assert [row["round"] for row in rows] == list(range(5, r["rounds"] + 1, 5))
@@ -67,7 +45,7 @@ def test_a_rank_that_cannot_reach_the_master_fails_the_run_and_nothing_is_left(
     with pytest.raises(BaselineError, match="rank"):
         run_ddp(2, launch, local_host, rounds=20, out=tmp_path, port=port,
                 connect_timeout_s=3, timeout_s=60)  # fmt: skip
-    assert launch.leftovers() == []
+    assert processes_mentioning(str(tmp_path)) == []
     assert not (tmp_path / "summary.json").exists()
 
 
@@ -76,4 +54,4 @@ def test_the_deadline_stops_every_rank(tmp_path: Path) -> None:
     with pytest.raises(BaselineError, match="not finished"):
         run_ddp(2, launch, local_host, rounds=100_000, target=1.01, out=tmp_path,
                 timeout_s=8)  # fmt: skip
-    assert launch.leftovers() == []
+    assert processes_mentioning(str(tmp_path)) == []
