@@ -34,12 +34,24 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
 from fedring.bench.launch import BaselineError, Host, Launch, agent_nodes, stop_all
 from fedring.bench.sessions import free_port
+from fedring.config import JobSpec
+from fedring.training.datasets import Dataset, load_dataset
+from fedring.training.models import build_model, param_count
+from fedring.training.sharding import make_shards, shard_data
+from fedring.training.sync import schedule_for
+from fedring.training.trainer import LocalTrainer
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,67 +77,38 @@ def iface_bytes(iface: str) -> tuple[int, int]:
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
+@dataclass
+class Outcome:
+    """Where a rank's training loop ended."""
+
+    steps: int = 0
+    accuracy: float = 0.0  # rank 0's last evaluation
+    seconds_to_target: float | None = None
+    wall_seconds: float = 0.0
+
+
 def worker(args: argparse.Namespace) -> None:
-    """One rank: rendezvous, train, evaluate on rank 0, stop together."""
+    """One rank: build fedring's task, rendezvous, train, write the outputs."""
     if args.iface:
-        os.environ["GLOO_SOCKET_IFNAME"] = args.iface  # before gloo reads it
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from fedring.config import JobSpec
-    from fedring.training.datasets import load_dataset
-    from fedring.training.models import build_model, param_count
-    from fedring.training.sharding import make_shards, shard_data
-    from fedring.training.sync import schedule_for
-    from fedring.training.trainer import LocalTrainer
-
+        os.environ["GLOO_SOCKET_IFNAME"] = args.iface  # read when the gloo group is made
     torch.set_num_threads(1)  # many processes on a few cores
-    rank, world = args.rank, args.world
-    spec = JobSpec(agents=world, dataset=args.dataset, model=args.model, compression="none",
-                   rounds=args.rounds, eval_every=args.eval_every, seed=args.seed)  # fmt: skip
-    sched = schedule_for(spec)
+    spec = JobSpec(agents=args.world, dataset=args.dataset, model=args.model,
+                   compression="none", rounds=args.rounds, eval_every=args.eval_every,
+                   seed=args.seed)  # fmt: skip
     ds = load_dataset(spec.dataset, spec.seed)
-    x, y = shard_data(ds, make_shards(ds.y_train.numpy(), world, spec.sharding, spec.seed)[rank])
+    shard = make_shards(ds.y_train.numpy(), args.world, spec.sharding, spec.seed)[args.rank]
+    x, y = shard_data(ds, shard)
     model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
     # The trainer supplies fedring's batch order and evaluation; DDP and SGD do the steps.
     trainer = LocalTrainer(model, x, y, batch_size=spec.batch_size, momentum=spec.momentum,
-                           seed=spec.seed, rank=rank)  # fmt: skip
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=rank,
-                            world_size=world,
+                           seed=spec.seed, rank=args.rank)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank,
+                            world_size=args.world,
                             timeout=timedelta(seconds=args.connect_timeout))  # fmt: skip
-    ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=sched.lr_at(0), momentum=spec.momentum)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     before = iface_bytes(args.iface) if args.iface else (0, 0)
-    start = time.perf_counter()
-    reached_at, acc, step = None, 0.0, 0
-    stop = torch.zeros(1)
-    with (out / "metrics.jsonl").open("w") if rank == 0 else open(os.devnull, "w") as metrics:
-        for step in range(1, args.rounds + 1):
-            xb, yb = trainer.next_batch()
-            for group in opt.param_groups:
-                group["lr"] = sched.lr_at(step - 1)
-            opt.zero_grad(set_to_none=False)
-            torch.nn.functional.cross_entropy(ddp(xb), yb).backward()  # all-reduce happens here
-            opt.step()
-            if step % args.eval_every and step != args.rounds:
-                continue
-            if rank == 0:
-                test_loss, acc = trainer.evaluate(ds.x_test, ds.y_test)
-                row = {"round": step, "t": time.perf_counter() - start, "accuracy": acc,
-                       "test_loss": test_loss}  # fmt: skip
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-                if acc >= args.target and reached_at is None:
-                    reached_at = row["t"]
-                    stop.fill_(1.0)
-            dist.broadcast(stop, src=0)  # collective: every rank stops at the same step
-            if stop.item():
-                break
-    wall = time.perf_counter() - start
+    outcome = _train(args, spec, trainer, ds)
     after = iface_bytes(args.iface) if args.iface else (0, 0)
     dist.barrier()
     params = param_count(model)
@@ -133,19 +116,60 @@ def worker(args: argparse.Namespace) -> None:
         traffic = {"source": f"kernel:{args.iface}", "tx_bytes": after[0] - before[0],
                    "rx_bytes": after[1] - before[1]}  # fmt: skip
     else:
-        ring = int(2 * (world - 1) / world * params * 4 * step)
+        ring = int(2 * (args.world - 1) / args.world * params * 4 * outcome.steps)
         traffic = {"source": "analytic", "tx_bytes": ring, "rx_bytes": ring}
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **traffic}))
-    if rank == 0:
-        summary = {"baseline": "ddp-gloo", "world": world, "dataset": spec.dataset,
-                   "model": spec.model, "final_accuracy": acc, "rounds": step,
-                   "target": args.target, "seconds_to_target": reached_at,
-                   "wall_seconds": wall, "params": params, "batch_size": spec.batch_size,
-                   "lr": {"base": sched.base_lr, "peak": sched.peak_lr,
-                          "warmup_steps": sched.warmup_steps},
-                   "momentum": spec.momentum}  # fmt: skip
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (args.out / f"rank{args.rank}.json").write_text(json.dumps({"rank": args.rank, **traffic}))
+    if args.rank == 0:
+        _write_summary(args, spec, outcome, params)
     dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, spec: JobSpec, trainer: LocalTrainer, ds: Dataset) -> Outcome:
+    """DDP steps with fedring's lr schedule until the target (all ranks agree) or `rounds`."""
+    sched = schedule_for(spec)
+    ddp = DistributedDataParallel(trainer.model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=sched.lr_at(0), momentum=spec.momentum)
+    metrics = args.out / "metrics.jsonl"
+    if args.rank == 0:
+        metrics.write_text("")
+    stop = torch.zeros(1)
+    outcome, start = Outcome(), time.perf_counter()
+    for step in range(1, args.rounds + 1):
+        outcome.steps = step
+        xb, yb = trainer.next_batch()
+        for group in opt.param_groups:
+            group["lr"] = sched.lr_at(step - 1)
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(ddp(xb), yb).backward()  # the gradient all-reduce runs in here
+        opt.step()
+        if step % args.eval_every and step != args.rounds:
+            continue
+        if args.rank == 0:
+            test_loss, outcome.accuracy = trainer.evaluate(ds.x_test, ds.y_test)
+            t = time.perf_counter() - start
+            row = {"round": step, "t": t, "accuracy": outcome.accuracy, "test_loss": test_loss}
+            with metrics.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            if outcome.accuracy >= args.target:
+                outcome.seconds_to_target = t
+                stop.fill_(1.0)
+        dist.broadcast(stop, src=0)  # collective: every rank stops at the same step
+        if stop.item():
+            break
+    outcome.wall_seconds = time.perf_counter() - start
+    return outcome
+
+
+def _write_summary(args: argparse.Namespace, spec: JobSpec, o: Outcome, params: int) -> None:
+    sched = schedule_for(spec)
+    summary = {"baseline": "ddp-gloo", "world": args.world, "dataset": spec.dataset,
+               "model": spec.model, "final_accuracy": o.accuracy, "rounds": o.steps,
+               "target": args.target, "seconds_to_target": o.seconds_to_target,
+               "wall_seconds": o.wall_seconds, "params": params, "batch_size": spec.batch_size,
+               "lr": {"base": sched.base_lr, "peak": sched.peak_lr,
+                      "warmup_steps": sched.warmup_steps},
+               "momentum": spec.momentum}  # fmt: skip
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
 def run_ddp(

@@ -19,11 +19,24 @@ import contextlib
 import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Protocol
 
 from fedring.bench.sessions import session_members, stop_session, tree_sessions
 
-Launch = Callable[[str, list[str], Path, Mapping[str, str]], "subprocess.Popen[bytes]"]
-Host = Callable[[str], str]
+
+class Launch(Protocol):
+    """Start `argv` on `node`, output to `log`, with exactly `env`; return the Popen.
+
+    The process must start in a new session (``start_new_session=True``) and the
+    returned Popen's PID must be that process (``ip netns exec`` execs in place).
+    """
+
+    def __call__(
+        self, node: str, argv: list[str], log: Path, env: Mapping[str, str], /
+    ) -> subprocess.Popen[bytes]: ...
+
+
+Host = Callable[[str], str]  # host(node) -> the address other nodes reach `node` at
 
 
 class BaselineError(RuntimeError):
