@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -231,7 +232,7 @@ def run_ddp(
     if iface:
         common += ["--iface", iface]
     environ = dict(os.environ if env is None else env)
-    procs = []
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         for rank, node in enumerate(agent_nodes(n)):
             argv = [sys.executable, "-m", "fedring.bench.ddp", "--rank", str(rank), *common]
@@ -247,7 +248,7 @@ def run_ddp(
     return summary
 
 
-def _wait(procs: list[Any], out: Path, timeout_s: float) -> None:
+def _wait(procs: list[subprocess.Popen[bytes]], out: Path, timeout_s: float) -> None:
     """Until every rank exits 0; a failed rank or the deadline raises `BaselineError`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -145,18 +146,9 @@ def run_flower_fedavg(
            "target": float(target), "lr": float(lr), "local-epochs": local_epochs,
            "out": str(out)}  # fmt: skip
     deadline = time.monotonic() + timeout_s
-    procs = []
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs.append(launch("hub", [str(BIN / "flower-superlink"), "--insecure", "--host",
-                                    "0.0.0.0", "--port", str(port),
-                                    "--disable-runtime-dependency-installation"],
-                            out / "superlink.log", environ))  # fmt: skip
-        for i, node in enumerate(agent_nodes(n)):
-            procs.append(launch(node, [
-                str(BIN / "flower-supernode"), "--insecure", "--superlink", f"{hub}:{port}",
-                "--host", "127.0.0.1", "--port", str(free_port()),
-                "--node-config", f"partition-id={i} num-partitions={n}",
-            ], out / f"supernode-{i}.log", environ))  # fmt: skip
+        _start_nodes(procs, launch, n, hub, port, out, environ)
         py = [sys.executable, "-c"]
         run_on(launch, "hub", [*py, PROBE_SRC, hub, str(port), "60"], out / "probe.log",
                environ, 90)  # fmt: skip
@@ -177,6 +169,28 @@ def run_flower_fedavg(
         for node in agent_nodes(n) if iface
     ]  # fmt: skip
     return summary
+
+
+def _start_nodes(
+    procs: list[subprocess.Popen[bytes]],
+    launch: Launch,
+    n: int,
+    hub: str,
+    port: int,
+    out: Path,
+    env: Mapping[str, str],
+) -> None:
+    """The SuperLink on "hub", then SuperNode i on a{i}; each Popen goes into `procs`."""
+    procs.append(launch("hub", [str(BIN / "flower-superlink"), "--insecure", "--host", "0.0.0.0",
+                                "--port", str(port), "--disable-runtime-dependency-installation"],
+                        out / "superlink.log", env))  # fmt: skip
+    for i, node in enumerate(agent_nodes(n)):
+        # Each SuperNode's own Runtime API (for its ClientApps) stays on its node's loopback.
+        procs.append(launch(node, [
+            str(BIN / "flower-supernode"), "--insecure", "--superlink", f"{hub}:{port}",
+            "--host", "127.0.0.1", "--port", str(free_port()),
+            "--node-config", f"partition-id={i} num-partitions={n}",
+        ], out / f"supernode-{i}.log", env))  # fmt: skip
 
 
 def _flwr(launch: Launch, out: Path, env: Mapping[str, str], name: str, *args: str) -> Any:
@@ -213,7 +227,7 @@ def _wait(
     out: Path,
     env: Mapping[str, str],
     run_id: str,
-    procs: list[Any],
+    procs: list[subprocess.Popen[bytes]],
     deadline: float,
     ls_every_s: float = 15.0,
 ) -> dict[str, Any]:
