@@ -59,7 +59,8 @@ class LocalTrainer:
     def set_params(self, flat: torch.Tensor) -> None:
         set_flat_params(self.model, flat)
 
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next `batch_size` samples of a seeded shuffle, reshuffled each epoch."""
         if self._pos + self.batch_size > len(self._order):
             self._order = torch.randperm(len(self.x), generator=self._gen)
             self._pos = 0
@@ -76,7 +77,7 @@ class LocalTrainer:
         With `anchor` and `mu`, adds the correction ``mu * (params - anchor)`` that
         keeps local steps from drifting far from the last global model.
         """
-        xb, yb = self._next_batch()
+        xb, yb = self.next_batch()
         self.model.train()
         self.model.zero_grad(set_to_none=False)
         loss = F.cross_entropy(self.model(xb), yb)

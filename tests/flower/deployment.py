@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,16 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedring.bench.sessions import free_port, session_members, stop_session
 from fedring.flower.simulation import QUIET_ENV
 
 BIN = Path(sys.executable).parent
 CONNECTION = "fedring-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_port(port: int, timeout_s: float) -> None:
@@ -107,46 +101,17 @@ class Deployment:
 
     def kill(self, name: str) -> None:
         """SIGKILL a process's whole session: a board losing power."""
-        _stop_session(self.procs[name].pid, kill_first=True)
+        stop_session(self.procs[name].pid, kill_first=True)
         self.procs[name].wait(timeout=10)
 
     def stop(self) -> None:
         for proc in self.procs.values():
-            _stop_session(proc.pid, kill_first=False)
+            stop_session(proc.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
 
     def leftovers(self) -> list[int]:
-        sids = {p.pid for p in self.procs.values()}
-        return [pid for pid, sid, state in _processes() if sid in sids and state != "Z"]
+        return [pid for p in self.procs.values() for pid in session_members(p.pid)]
 
 
-def session_members(sid: int) -> list[int]:
-    """Live processes (zombies left out) of session `sid`."""
-    return [pid for pid, s, state in _processes() if s == sid and state != "Z"]
-
-
-def _processes() -> list[tuple[int, int, str]]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out.append((int(entry.name), int(fields[3]), fields[0]))  # pid, session, state
-    return out
-
-
-def _stop_session(sid: int, kill_first: bool) -> None:
-    signals = [signal.SIGKILL] if kill_first else [signal.SIGTERM, signal.SIGKILL]
-    for sig in signals:
-        for pid, s, _ in _processes():
-            if s == sid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if not session_members(sid):
-                return
-            time.sleep(0.1)
+__all__ = ["CONNECTION", "Deployment", "free_port", "session_members", "wait_port"]
