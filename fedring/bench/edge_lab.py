@@ -29,6 +29,7 @@ from typing import Any
 
 from fedring.config import JobSpec
 from fedring.lab.lab import Lab
+from fedring.lab.netns import AGENT_IFACE
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ TASKS = {
     # The MNIST-1D paper's CNN: 5 k parameters, so its dense exchange is cheap.
     "mnist1d": Task("mnist1d", "mnist1d", "cnn", 0.85, 1500),
 }
+
+FLOWER_ROUNDS = 40  # FedAvg rounds at most (one local epoch each); it stops at the target
 
 FEDRING: dict[str, dict[str, Any]] = {
     "fedring group-top-k 1% sync": {"compression": "group-topk", "density": 0.01},
@@ -99,7 +102,7 @@ def fedring_row(lab: Lab, task: Task, method: str, overrides: dict[str, Any], se
                 timeout_s: float) -> Row:  # fmt: skip
     spec = JobSpec(
         agents=lab.net.agents, dataset=task.dataset, model=task.model, rounds=task.rounds,
-        eval_every=5 if task.rounds <= 300 else 10, target_accuracy=task.target, seed=seed,
+        eval_every=_eval_every(task), target_accuracy=task.target, seed=seed,
         checkpoint_every=task.rounds, timeout_s=60.0, **overrides,
     )  # fmt: skip
     name = f"{task.name}-{method.replace(' ', '_').replace('%', '').replace('=', '')}"
@@ -124,7 +127,7 @@ Baseline = Callable[[Lab, Task, int, Path, float], Row]
 def run(
     agents: int = 4,
     bandwidth_mbps: float = 10.0,
-    tasks: tuple[str, ...] = ("digits", "mnist1d"),
+    tasks: tuple[str | Task, ...] = ("digits", "mnist1d"),
     methods: tuple[str, ...] = (),
     seed: int = 0,
     out: Path = Path("runs/edge-lab"),
@@ -136,10 +139,12 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     chosen = methods or (*FEDRING, *(baselines or {}))
     rows: list[Row] = []
+    labels: dict[str, str] = {}
     start = time.monotonic()
     with Lab(agents, bandwidth_mbps, workdir=out) as lab:
         for name in tasks:
-            task = TASKS[name]
+            task = TASKS[name] if isinstance(name, str) else name
+            labels[task.name] = task.label
             for method, baseline in (baselines or {}).items():  # before the agent daemons start
                 if method in chosen:
                     rows.append(_measured(lab, baseline, task, seed, out, timeout_s))
@@ -156,13 +161,54 @@ def run(
         "speedups": speedups(rows),
     }  # fmt: skip
     (out / "edge_lab.json").write_text(json.dumps(doc, indent=1))
-    doc["plot"] = str(plot(rows, out / "edge_lab.png", agents, bandwidth_mbps))
+    doc["plot"] = str(plot(rows, out / "edge_lab.png", agents, bandwidth_mbps, labels))
     return doc
 
 
 def default_baselines() -> dict[str, Baseline]:
-    """Flower FedAvg and gloo DDP, where their modules are available."""
-    return {}
+    """Flower FedAvg through SuperLink/SuperNodes, and gloo DDP, on the lab's nodes."""
+    return {"Flower FedAvg (SuperLink)": flower_row, "torch DDP gloo": ddp_row}
+
+
+def _baseline_row(method: str, task: Task, summary: dict[str, Any], wall: float) -> Row:
+    points = [(float(m["t"]), float(m["accuracy"]), int(m["round"])) for m in summary["metrics"]]
+    seconds, rounds = to_target(points, task.target)
+    return Row(
+        method, task.name, task.target, seconds, rounds, float(summary["final_accuracy"]),
+        int(summary["rounds"]), 0.0, 0.0, wall, [(t, a) for t, a, _ in points],
+    )  # fmt: skip
+
+
+def ddp_row(lab: Lab, task: Task, seed: int, out: Path, timeout_s: float) -> Row:
+    """Dense all-reduce with DistributedDataParallel over gloo, rank i on agent i."""
+    from fedring.bench.ddp import run_ddp
+
+    start = time.monotonic()
+    summary = run_ddp(
+        lab.net.agents, lab.launch, lab.host, dataset=task.dataset, model=task.model,
+        rounds=task.rounds, eval_every=_eval_every(task), target=task.target, seed=seed,
+        out=out / f"{task.name}-ddp", iface=AGENT_IFACE, timeout_s=timeout_s,
+    )  # fmt: skip
+    return _baseline_row("torch DDP gloo", task, summary, time.monotonic() - start)
+
+
+def flower_row(lab: Lab, task: Task, seed: int, out: Path, timeout_s: float) -> Row:
+    """Plain FedAvg, one local epoch per round, SuperLink on the hub, a SuperNode per agent."""
+    from fedring.bench.flower_fedavg import run_flower_fedavg
+
+    start = time.monotonic()
+    summary = run_flower_fedavg(
+        lab.net.agents, lab.launch, lab.host, dataset=task.dataset, model=task.model,
+        rounds=FLOWER_ROUNDS, target=task.target, seed=seed, out=out / f"{task.name}-flower",
+        timeout_s=timeout_s,
+    )  # fmt: skip
+    row = _baseline_row("Flower FedAvg (SuperLink)", task, summary, time.monotonic() - start)
+    row.note = "one local epoch per round"
+    return row
+
+
+def _eval_every(task: Task) -> int:
+    return 5 if task.rounds <= 300 else 10
 
 
 def _measured(lab: Lab, baseline: Baseline, task: Task, seed: int, out: Path,
@@ -195,7 +241,9 @@ def speedups(rows: list[Row]) -> dict[str, dict[str, float | None]]:
     return out
 
 
-def plot(rows: list[Row], path: Path, agents: int, bandwidth: float) -> Path:
+def plot(
+    rows: list[Row], path: Path, agents: int, bandwidth: float, labels: dict[str, str]
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,7 +260,7 @@ def plot(rows: list[Row], path: Path, agents: int, bandwidth: float) -> Path:
         ax.set_xscale("log")
         ax.set_xlabel("wall-clock seconds of training (log)")
         ax.set_ylabel("test accuracy")
-        ax.set_title(f"{TASKS[task].label}: {agents} agents, {bandwidth:g} Mbit/s each")
+        ax.set_title(f"{labels.get(task, task)}: {agents} agents, {bandwidth:g} Mbit/s each")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
