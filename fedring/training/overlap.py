@@ -29,6 +29,7 @@ it, ends the thread, and is raised again on the main thread, the same object.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -107,25 +108,30 @@ class CommThread:
             self._baton.wait(self._cond, timeout)
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._todo and not self._closed:
-                    self._cond.wait()  # `finish` or `abandon` always closes
-                if not self._todo:
+        # In the simulator the thread takes turns with the agents like they do with
+        # each other (see `Baton`): no GIL convoy, and no overlap that a shared CPU
+        # could not give anyway.
+        with self._baton.turn() if self._baton else contextlib.nullcontext():
+            while (index_vec := self._next()) is not None:
+                try:
+                    out = self._reduce(*index_vec)
+                except BaseException as exc:  # handed to the owner, raised there
+                    with self._cond:
+                        self._error = exc
+                        self._todo.clear()
+                        self._cond.notify_all()
                     return
-                index, vec = self._todo.popleft()
-            try:
-                out = self._reduce(index, vec)
-            except BaseException as exc:  # handed to the owner, raised there
                 with self._cond:
-                    self._error = exc
-                    self._todo.clear()
+                    self._done[index_vec[0]] = out
+                    self.last_reduced = time.perf_counter()
                     self._cond.notify_all()
-                return
-            with self._cond:
-                self._done[index] = out
-                self.last_reduced = time.perf_counter()
-                self._cond.notify_all()
+
+    def _next(self) -> tuple[int, torch.Tensor] | None:
+        """The next bucket to reduce; None once the owner closed and none is left."""
+        with self._cond:
+            while not self._todo and not self._closed:
+                self._wait(1.0)  # `finish` or `abandon` always closes
+            return self._todo.popleft() if self._todo else None
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -167,6 +168,22 @@ def test_a_ring_failure_reaches_the_main_thread_as_itself(
         ex.reduce(torch.ones(ex.numel), scale=0.5, round=0)  # the same error without buckets
     with pytest.raises(error):
         overlap.gradient(trainer, scale=0.5, round=1)
+    assert _comm_threads() == []
+
+
+def test_a_failing_bucket_in_the_simulator_ends_the_run_and_its_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reduce_bucket = Exchange.reduce_bucket
+
+    def flaky(self: Exchange, vec: torch.Tensor, **kw: Any) -> torch.Tensor:
+        if self.channel.name == "agent-1" and kw["round"] == 3 and kw["bucket"] == 1:
+            raise RuntimeError("agent-1 broke in bucket 1")
+        return reduce_bucket(self, vec, **kw)
+
+    monkeypatch.setattr(Exchange, "reduce_bucket", flaky)
+    with pytest.raises(RuntimeError, match="agent-1 broke"):  # the cause, not the neighbours'
+        simulate(JobSpec(**SMALL, bucket_kb=4, timeout_s=5.0))
     assert _comm_threads() == []
 
 
