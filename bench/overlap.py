@@ -3,7 +3,7 @@
 N agents run `training.sync.run_agent` on threads of this process, each behind a
 shaped link: a send holds the sender's link for ``latency + bytes / bandwidth``
 seconds (a sleep, so the CPU stays free for backward, as on a real NIC). Both
-runs use the same job; the table prints the mean seconds per round of compute
+runs use the same job; the table prints the median seconds per round of compute
 (forward and backward), communication and the whole step, and the overlapped
 step divided by max(compute, communication) of the run without overlap: the
 acceptance target is at most 1.1 where the two are comparable.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,7 +63,8 @@ class ShapedEndpoint:
 
 
 def run_job(spec: JobSpec, bps: float, latency_s: float) -> dict[str, float]:
-    """Mean seconds per round (after the first few) of one shaped in-process job."""
+    """Median seconds per round (after the first few: warm-up) of one shaped job;
+    medians, since agents that share a small machine's cores make outliers."""
     p = plan(spec)
     trainers = [prepare_agent(p, r) for r in range(spec.agents)]
     hub = InprocTransport()
@@ -79,8 +81,8 @@ def run_job(spec: JobSpec, bps: float, latency_s: float) -> dict[str, float]:
 
     with ThreadPoolExecutor(spec.agents) as pool:
         rows = [r for f in [pool.submit(agent, i) for i in range(spec.agents)] for r in f.result()]
-    timed = [r for r in rows if r["round"] > 3]  # warm-up rounds out
-    out = {k: sum(r[k] for r in timed) / len(timed) for k in TIMES}
+    timed = [r for r in rows if r["round"] > 3]
+    out = {k: statistics.median(r[k] for r in timed) for k in TIMES}
     out["bytes_per_round"] = rows[-1]["bytes_sent"] / rows[-1]["round"]
     return out
 

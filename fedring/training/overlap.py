@@ -15,13 +15,18 @@ Why the method stays intact:
 - every agent hands its buckets over in the same order and one thread reduces
   them in that order, so the ring stays in step; frames carry the bucket in
   their phase (`collective.ring.tagged`);
-- only the ``bounded`` ring's re-selections see a bucket instead of the whole
-  vector, so the result differs from a run without buckets in the last bits,
-  but every agent still ends with the same parameters.
+- a bucket's ring chunks fall elsewhere than the whole vector's, so the agents'
+  contributions are added in another order: the result differs from a run
+  without buckets by float rounding, and every agent still ends with the same
+  parameters.
 
-Tuning: the gain per round is at most min(compute, communication). Small first
-buckets start the ring early; few buckets keep the per-bucket ring latency
-(2(N-1) steps each) low. A handful of buckets per model is the place to start.
+Tuning and limits: the forward pass and the backward of bucket 0's layers come
+before any communication, so an overlapped step still takes at least
+``forward + backward(bucket 0) + communication`` (plus the last bucket's ring when
+compute is the longer part). Overlap hides the backward of the earlier layers:
+at most min(backward, communication) per round. Small first buckets start the
+ring early; few buckets keep the per-bucket ring latency (2(N-1) steps each) and
+frame headers low. A handful of buckets per model is the place to start.
 
 Errors: a `CollectiveError` on the communication thread skips the buckets behind
 it, ends the thread, and is raised again on the main thread, the same object.
