@@ -105,10 +105,16 @@ def test_error_feedback_part_works_on_the_whole_residual() -> None:
 # -- training ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("compression", ["group-topk", "none"])
-def test_agents_with_buckets_end_identical_and_rows_carry_the_times(compression: str) -> None:
-    plain = simulate(JobSpec(**SMALL, compression=compression))
-    bucketed = simulate(JobSpec(**SMALL, compression=compression, bucket_kb=4))
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"compression": "none"}, {"aggregation": "weighted", "sharding": "quantity:1.0"}],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "group-topk",
+)
+def test_agents_with_buckets_end_identical_and_rows_carry_the_times(
+    changes: dict[str, Any],
+) -> None:
+    plain = simulate(JobSpec(**SMALL, **changes))
+    bucketed = simulate(JobSpec(**SMALL, **changes, bucket_kb=4))
     assert bucketed["identical_models"]
     assert bucketed["model_hashes"] != plain["model_hashes"]  # the buckets did run
     assert bucketed["frames_sent_per_agent"] > plain["frames_sent_per_agent"]
