@@ -6,7 +6,9 @@ the parameters from the last to the first and closes a bucket once it holds abou
 first. Cuts sit at parameter boundaries, rounded up to a whole group of
 `group_size` entries: group-top-k then selects per bucket exactly what it selects
 over the whole vector, and the few entries of a parameter left below a cut go to
-the next bucket, which is ready later anyway.
+the next bucket, which is ready later anyway. The first parameters join the
+bucket after them when they would fill less than half a bucket: every bucket
+costs the latency of a whole ring, 2(N-1) steps.
 
 `Readiness` follows one backward pass: told which parameter's gradient is in, it
 answers with the buckets that may go now, always in bucket order, so every agent
@@ -14,6 +16,8 @@ hands its buckets to the ring in the same sequence.
 
     >>> [(b.start, b.end) for b in bucket_layout([300, 20, 600, 10], 500, 256)]
     [(512, 930), (0, 512)]
+    >>> [(b.start, b.end) for b in bucket_layout([100, 20, 600, 10], 500, 64)]
+    [(0, 730)]
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ def bucket_layout(sizes: Sequence[int], bucket_numel: int, group_size: int) -> l
         if 0 < cut < cuts[-1]:
             cuts.append(cut)
             filled = cut - offsets[i]
+    if len(cuts) > 1 and 2 * cuts[-1] < bucket_numel:
+        cuts.pop()  # a remainder under half a bucket is not worth a ring of its own
     if cuts[-1] > 0:
         cuts.append(0)
     return [

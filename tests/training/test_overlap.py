@@ -50,6 +50,7 @@ def test_buckets_cover_the_vector_once_in_backward_order_on_group_boundaries(
     assert buckets[0].end == numel and buckets[-1].start == 0
     for later, earlier in itertools.pairwise(buckets):
         assert earlier.end == later.start  # contiguous, descending: backward order
+    assert len(buckets) == 1 or 2 * buckets[-1].numel >= bucket  # no tiny last ring
     for b in buckets:
         assert b.numel > 0 and b.start % group == 0
         assert b.end == numel or b.end % group == 0
