@@ -207,6 +207,11 @@ def simulate_cmd(
         "with 8+ non-iid agents; plain EF-SGD is the default. [off]",
     ),
     eval_every: int | None = typer.Option(None, help="Rounds between evaluations. [10]"),
+    bucket_kb: int | None = typer.Option(
+        None,
+        help="Sync: all-reduce the gradient in buckets of about this many KB while "
+        "backward runs (overlap); per-round compute_s, comm_s, step_s in the rows. [0 = off]",
+    ),
     target_accuracy: float | None = typer.Option(None, help="Stop once reached (0 = never). [0]"),
     seed: int | None = typer.Option(None, help="Seed of split, shards, init and batches. [0]"),
     out: Path | None = typer.Option(

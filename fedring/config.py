@@ -75,6 +75,9 @@ class JobSpec:
     # checkpoint every this many rounds (and at the end); `--resume` and a re-formed
     # ring redo at most this many rounds. Each upload costs one dense model.
     checkpoint_every: int = 1
+    # Sync: cut the gradient into buckets of about this many KB (fp32), in backward
+    # order, and compress and all-reduce each while backward goes on; 0 = off.
+    bucket_kb: int = 0
 
     def __post_init__(self) -> None:
         _check_int(self, "agents", 1, 1024)
@@ -105,6 +108,7 @@ class JobSpec:
         _check_float(self, "target_accuracy", 0.0, 1.0)
         _check_float(self, "timeout_s", 0.01, 3600.0)
         _check_int(self, "checkpoint_every", 1, 10**6)
+        _check_int(self, "bucket_kb", 0, 10**6)
         if self.async_wait > self.agents:
             raise SpecError(f"async_wait={self.async_wait} exceeds agents={self.agents}")
         try:
@@ -119,6 +123,14 @@ class JobSpec:
             raise SpecError(
                 f"field 'aggregation'={self.aggregation!r} needs every update in one place: "
                 "use topology='star' or sync='async'"
+            )
+        if self.bucket_kb and (
+            self.sync != "sync" or agg.kind not in ("mean", "weighted") or self.topology == "star"
+        ):
+            raise SpecError(
+                f"field 'bucket_kb'={self.bucket_kb} overlaps the ring all-reduce with backward: "
+                "it needs sync='sync', aggregation mean or weighted and a ring or torus, not "
+                f"sync={self.sync!r}, aggregation={self.aggregation!r}, topology={self.topology!r}"
             )
         if self.lr == 0:  # auto, once the aggregation is known to parse
             object.__setattr__(self, "lr", 0.1 if self.plain_ef_sgd else 0.025)

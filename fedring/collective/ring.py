@@ -49,6 +49,12 @@ from fedring.wire.errors import FrameError, FrameReason
 SparsePolicy = Literal["exact", "bounded"]
 
 
+def tagged(phase: str, bucket: int | None) -> str:
+    """The frame phase of one bucket of a round (see `training.overlap`): buckets of
+    the same round all-reduce one after another and must not take each other's frames."""
+    return phase if bucket is None else f"{phase}.b{bucket}"
+
+
 def chunk_bounds(units: int, world: int) -> list[tuple[int, int]]:
     """Split ``range(units)`` into `world` contiguous, nearly equal ranges."""
     return [(i * units // world, (i + 1) * units // world) for i in range(world)]
@@ -203,8 +209,13 @@ class Ring:
             )
             absorb(recv_c, current)
 
-    def allreduce_dense(self, x: torch.Tensor, *, round: int = 0) -> torch.Tensor:
-        """Sum of the members' flat float32 vectors (the uncompressed baseline)."""
+    def allreduce_dense(
+        self, x: torch.Tensor, *, round: int = 0, bucket: int | None = None
+    ) -> torch.Tensor:
+        """Sum of the members' flat float32 vectors (the uncompressed baseline).
+
+        `bucket` tags the frames of one bucket of the round (see `tagged`).
+        """
         acc = x.detach().reshape(-1).to(torch.float32).clone()
         bounds = chunk_bounds(acc.numel(), self.world)
 
@@ -221,21 +232,24 @@ class Ring:
             lambda _, p: p.add_to(acc),
             bounds=bounds,
             expect=DenseChunk,
-            phase="rs",
+            phase=tagged("rs", bucket),
             round=round,
         )
         self.all_gather(
-            chunk(mine), replace, bounds=bounds, expect=DenseChunk, phase="ag", round=round
-        )
+            chunk(mine), replace, bounds=bounds, expect=DenseChunk,
+            phase=tagged("ag", bucket), round=round,
+        )  # fmt: skip
         return acc
 
     def allreduce_sparse(
-        self, sparse: SparseGroups, *, policy: SparsePolicy = "bounded", round: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, sparse: SparseGroups, *, policy: SparsePolicy = "bounded", round: int = 0,
+        bucket: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Sum of the members' group-top-k payloads; returns ``(sum, kept)``.
 
         `kept` is zero for ``exact``; for ``bounded`` it is what this member's
         re-selections dropped, to be added to its error-feedback residual.
+        `bucket` tags the frames of one bucket of the round (see `tagged`).
         """
         red = SparseReduction(sparse, policy)
         bounds = chunk_bounds(n_groups(sparse.numel, sparse.group_size), self.world)
@@ -244,7 +258,7 @@ class Ring:
             red.absorb,
             bounds=bounds,
             expect=red.expect,
-            phase="rs",
+            phase=tagged("rs", bucket),
             round=round,
         )
         out = torch.zeros_like(red.acc)
@@ -255,7 +269,7 @@ class Ring:
             lambda _, p: p.add_to(out),
             bounds=bounds,
             expect=red.expect,
-            phase="ag",
+            phase=tagged("ag", bucket),
             round=round,
         )
         return out, red.kept

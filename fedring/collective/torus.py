@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedring.collective.channel import PeerChannel
-from fedring.collective.ring import Ring, SparsePolicy, SparseReduction, chunk_bounds
+from fedring.collective.ring import Ring, SparsePolicy, SparseReduction, chunk_bounds, tagged
 from fedring.compression.payload import Payload
 from fedring.compression.quantize import DenseChunk
 from fedring.compression.sparse import SparseGroups, n_groups
@@ -89,10 +89,10 @@ def sub_bounds(span: tuple[int, int], parts: int) -> list[tuple[int, int]]:
     return [(span[0] + a, span[0] + b) for a, b in chunk_bounds(span[1] - span[0], parts)]
 
 
-def _phases(axis: int) -> tuple[str, str]:
-    """Frame phases of the axis-th ring: rs/ag, then rs2/ag2, rs3/ag3, ..."""
+def _phases(axis: int, bucket: int | None) -> tuple[str, str]:
+    """Frame phases of the axis-th ring: rs/ag, then rs2/ag2, rs3/ag3, ... (bucket-tagged)."""
     n = "" if axis == 0 else str(axis + 1)
-    return f"rs{n}", f"ag{n}"
+    return tagged(f"rs{n}", bucket), tagged(f"ag{n}", bucket)
 
 
 @dataclass
@@ -123,7 +123,9 @@ class Torus:
             self.axes.append(Ring(self.channel, ring, self.timeout_s))
             stride *= size
 
-    def allreduce_dense(self, x: torch.Tensor, *, round: int = 0) -> torch.Tensor:
+    def allreduce_dense(
+        self, x: torch.Tensor, *, round: int = 0, bucket: int | None = None
+    ) -> torch.Tensor:
         """Sum of the members' flat float32 vectors, bit-identical on every member."""
         acc = x.detach().reshape(-1).to(torch.float32).clone()
         numel = acc.numel()
@@ -138,7 +140,7 @@ class Torus:
             acc[span[0] : span[1]].copy_(p.values)
 
         def reduce(axis: int, span: tuple[int, int]) -> None:
-            ring, (rs, ag) = self.axes[axis], _phases(axis)
+            ring, (rs, ag) = self.axes[axis], _phases(axis, bucket)
             b = sub_bounds(span, ring.world)
             mine = ring.reduce_scatter(
                 lambda c: chunk(b[c]), add, bounds=b, expect=DenseChunk, phase=rs, round=round
@@ -154,8 +156,9 @@ class Torus:
         return acc
 
     def allreduce_sparse(
-        self, sparse: SparseGroups, *, policy: SparsePolicy = "bounded", round: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, sparse: SparseGroups, *, policy: SparsePolicy = "bounded", round: int = 0,
+        bucket: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Sum of the members' group-top-k payloads; returns ``(sum, kept)`` like `Ring`."""
         red = SparseReduction(sparse, policy)
         out = torch.zeros_like(red.acc)
@@ -163,7 +166,7 @@ class Torus:
         def reduce(axis: int, span: tuple[int, int]) -> tuple[Payload, tuple[int, int]]:
             """All-reduce groups `span` over the axes from `axis` inward; return the
             payload that carries them and the innermost chunk this member reduced."""
-            ring, (rs, ag) = self.axes[axis], _phases(axis)
+            ring, (rs, ag) = self.axes[axis], _phases(axis, bucket)
             b = sub_bounds(span, ring.world)
             mine = ring.reduce_scatter(
                 lambda c: red.chunk(b[c]), red.absorb,

@@ -23,6 +23,7 @@ Invariant, bit for bit: ``payload.decompress() + residual == compensated``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 
 import torch
@@ -42,6 +43,17 @@ class ErrorFeedback:
         self.momentum = momentum
         self.residual = torch.zeros(numel, dtype=torch.float32)
         self.velocity = torch.zeros(numel, dtype=torch.float32) if momentum else None
+
+    def part(self, start: int, end: int) -> ErrorFeedback:
+        """Error feedback for entries ``[start, end)`` only, sharing this one's memory:
+        what the part compensates, sends and keeps lands in this residual."""
+        if not 0 <= start < end <= self.numel:
+            raise ValueError(f"part [{start}, {end}) is not inside [0, {self.numel})")
+        part = copy.copy(self)
+        part.numel = end - start
+        part.residual = self.residual[start:end]
+        part.velocity = None if self.velocity is None else self.velocity[start:end]
+        return part
 
     def compensate(self, grad: torch.Tensor) -> torch.Tensor:
         """Fold `grad` into the residual and return it: the vector to compress.

@@ -38,6 +38,7 @@ from fedring.training.trainer import LocalTrainer
 from fedring.transport.inproc import InprocTransport
 
 JOB_KEY = b"fedring-simulate"
+TIMES = ("compute_s", "comm_s", "step_s")  # a sync round's seconds, in every row
 
 
 class ModelMismatch(ValueError):
@@ -113,7 +114,7 @@ def simulate(
         ring = build_ring(channels[rank], names, spec.topology, spec.timeout_s)
         ctx = AgentContext(spec, trainers[rank], Exchange.build(ring, spec, numel),
                            p.dataset.x_test, p.dataset.y_test, p.weights[rank],
-                           on_round if rank == 0 else None)  # fmt: skip
+                           on_round if rank == 0 else None, baton=baton)  # fmt: skip
         try:
             with baton.turn() if baton else contextlib.nullcontext():
                 return run_agent(ctx)
@@ -171,6 +172,7 @@ def summarise(
         "rollbacks": results[0].rollbacks,
         "evals": evals[0],
         "rows": rows,
+        "round_seconds": _mean_times(rows),
         "manifest": p.manifest.to_dict(),
         "model_sha256_initial": p.model_sha256,
     }
@@ -184,6 +186,13 @@ def _dense_equivalent(spec: JobSpec, numel: int, rounds: int) -> float:
 
 def _mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(rows[0])
-    for key in ("loss", "grad_norm", "compression_error", "residual_norm", "bytes_sent"):
-        out[key] = sum(r[key] for r in rows) / len(rows)
+    for key in ("loss", "grad_norm", "compression_error", "residual_norm", "bytes_sent", *TIMES):
+        if key in out:
+            out[key] = sum(r[key] for r in rows) / len(rows)
     return out
+
+
+def _mean_times(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per round of compute, communication and the whole step (sync mode)."""
+    timed = [r for r in rows if "step_s" in r]
+    return {k: sum(r[k] for r in timed) / len(timed) for k in TIMES} if timed else {}

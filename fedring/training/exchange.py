@@ -11,7 +11,8 @@ waits for the result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,15 +39,23 @@ def compress_update(
     Returns the payload and the compression error ``||g - sent|| / ||g||``, where g
     is `vec` plus the residual; the residual keeps whatever was not sent.
     """
+    sent, missed, norm = _compress_measured(vec, topk, ef, k)
+    return sent, missed / norm if norm > 0 else 0.0
+
+
+def _compress_measured(
+    vec: torch.Tensor, topk: GroupTopK | None, ef: ErrorFeedback | None, k: int | None
+) -> tuple[Payload, float, float]:
+    """`compress_update` with the two norms of its error: ``||g - sent||`` and ``||g||``."""
     if topk is None:
-        return DenseCodec("fp32").compress(vec), 0.0
+        return DenseCodec("fp32").compress(vec), 0.0, 0.0
     g = ef.compensate(vec) if ef is not None else vec
     sent = topk.compress(g, k=k)
     norm = float(g.norm())
-    error = float((g - sent.decompress()).norm()) / norm if norm > 0 else 0.0
+    missed = float((g - sent.decompress()).norm())
     if ef is not None:
         ef.update(sent)
-    return sent, error
+    return sent, missed, norm
 
 
 @dataclass
@@ -58,6 +67,8 @@ class Exchange:
     topk: GroupTopK | None = None
     schedule: DensitySchedule | None = None  # DGC density warm-up
     last_error: float = 0.0  # ||g - sent|| / ||g|| of the last compression
+    # ||g - sent||^2 and ||g||^2 over this round's buckets so far (bucket 0 starts afresh)
+    _bucket_sq: tuple[float, float] = field(default=(0.0, 0.0), init=False, repr=False)
 
     @classmethod
     def build(cls, ring: Ring | Torus, spec: JobSpec, numel: int) -> Exchange:
@@ -86,11 +97,14 @@ class Exchange:
     def channel(self) -> PeerChannel:
         return self.ring.channel
 
+    def _k(self, round: int) -> int | None:
+        """k of the DGC density warm-up in this round; None: the codec's own."""
+        if self.topk is None or self.schedule is None:
+            return None
+        return k_for(self.schedule.density(round), self.topk.group_size)
+
     def _compress(self, vec: torch.Tensor, round: int = 0) -> Payload:
-        k = None
-        if self.topk is not None and self.schedule is not None:
-            k = k_for(self.schedule.density(round), self.topk.group_size)
-        sent, self.last_error = compress_update(vec, self.topk, self.ef, k)
+        sent, self.last_error = compress_update(vec, self.topk, self.ef, self._k(round))
         return sent
 
     def reduce(self, vec: torch.Tensor, *, scale: float, round: int) -> torch.Tensor:
@@ -102,6 +116,32 @@ class Exchange:
         total, kept = self.ring.allreduce_sparse(sent, policy=self.spec.policy, round=round)  # type: ignore[arg-type]
         if self.ef is not None:
             self.ef.keep(kept)
+        return total
+
+    def reduce_bucket(
+        self, vec: torch.Tensor, *, span: tuple[int, int], scale: float, round: int, bucket: int
+    ) -> torch.Tensor:
+        """`reduce` of the entries `span` of the flat vector alone (`vec` is that slice).
+
+        Error feedback works on the same entries of the residual. With `span`
+        starting on a group boundary, group-top-k keeps exactly what it keeps over
+        the whole vector. Buckets of a round go one after another, 0 first, and
+        `last_error` is the error over those reduced so far.
+        """
+        scaled = vec * scale
+        if self.topk is None:
+            return self.ring.allreduce_dense(scaled, round=round, bucket=bucket)
+        ef = self.ef.part(*span) if self.ef is not None else None
+        sent, missed, norm = _compress_measured(scaled, self.topk, ef, self._k(round))
+        reduce = self.ring.allreduce_sparse
+        total, kept = reduce(sent, policy=self.spec.policy, round=round, bucket=bucket)  # type: ignore[arg-type]
+        if ef is not None:
+            ef.keep(kept)
+        missed_sq, norm_sq = self._bucket_sq if bucket else (0.0, 0.0)
+        self._bucket_sq = (missed_sq + missed**2, norm_sq + norm**2)
+        self.last_error = (
+            math.sqrt(self._bucket_sq[0] / self._bucket_sq[1]) if self._bucket_sq[1] else 0.0
+        )
         return total
 
     def vote(self, vec: torch.Tensor, *, round: int) -> torch.Tensor:

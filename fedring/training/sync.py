@@ -19,6 +19,7 @@ same on every agent without any extra message.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,9 @@ from fedring.config import JobSpec
 from fedring.training.exchange import Exchange
 from fedring.training.lr import LrSchedule
 from fedring.training.monitor import Monitor
+from fedring.training.overlap import Agreed, Overlap
 from fedring.training.trainer import LocalTrainer
+from fedring.transport.inproc import Baton
 
 
 @dataclass
@@ -44,6 +47,7 @@ class AgentContext:
     on_round: Callable[[int, dict[str, Any]], None] | None = None
     before_round: Callable[[int], None] | None = None  # e.g. keep a state to retry from
     start_round: int = 0  # resume here (the agent already holds the state after it)
+    baton: Baton | None = None  # the simulator's turn-taking (waits on buckets pass it on)
 
 
 @dataclass
@@ -79,18 +83,20 @@ def run_agent(ctx: AgentContext) -> AgentResult:
     trainer.momentum = ex.optimizer_momentum
     first_loss, _ = trainer.evaluate(ctx.x_eval, ctx.y_eval)
     good = trainer.snapshot(ex.ef.residual if ex.ef else None)
+    overlap = Overlap.build(spec, trainer, ex, ctx.baton) if spec.bucket_kb else None
     for r in range(ctx.start_round, spec.rounds):
         if ctx.before_round is not None:
             ctx.before_round(r)
         lr = sched.lr_at(r) * lr_factor
+        timing: dict[str, float] = {}
         if spec.sync == "sync":
-            loss, gnorm = _sync_round(ctx, agg, r, lr)
+            loss, gnorm, timing = _sync_round(ctx, agg, r, lr, overlap)
         else:
             loss, gnorm = _local_round(ctx, agg, r, lr, interval)
         row: dict[str, Any] = {
             "round": r + 1, "loss": loss, "grad_norm": gnorm, "lr": lr, "interval": interval,
             "compression_error": ex.last_error, "residual_norm": ex.residual_norm,
-            "bytes_sent": ex.channel.endpoint.stats.bytes_sent,
+            "bytes_sent": ex.channel.endpoint.stats.bytes_sent, **timing,
         }  # fmt: skip
         result.rows.append(row)
         result.rounds_run = r + 1
@@ -135,11 +141,25 @@ def _agree(ctx: AgentContext, agg: Aggregation, vec: torch.Tensor, r: int) -> to
     return agreed
 
 
-def _sync_round(ctx: AgentContext, agg: Aggregation, r: int, lr: float) -> tuple[float, float]:
+def _sync_round(
+    ctx: AgentContext, agg: Aggregation, r: int, lr: float, overlap: Overlap | None
+) -> tuple[float, float, dict[str, float]]:
+    """One step on the agreed gradient; also the round's seconds: `compute_s` (forward
+    and backward), `comm_s` (compress and ring; with overlap, first bucket handed
+    over to last bucket reduced) and `step_s` (the whole round)."""
     trainer = ctx.trainer
-    loss, g = trainer.gradient()
-    trainer.step(_agree(ctx, agg, g, r), lr)
-    return loss, float(g.norm())
+    start = time.perf_counter()
+    if overlap is not None:
+        done = overlap.gradient(trainer, scale=ctx.weight, round=r)
+    else:
+        loss, g = trainer.gradient()
+        computed = time.perf_counter()
+        agreed = _agree(ctx, agg, g, r)
+        done = Agreed(loss, g, agreed, computed - start, time.perf_counter() - computed)
+    trainer.step(done.total, lr)
+    times = {"compute_s": done.compute_s, "comm_s": done.comm_s}
+    times["step_s"] = time.perf_counter() - start
+    return done.loss, float(done.grad.norm()), times
 
 
 def _local_round(

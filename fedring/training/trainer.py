@@ -8,6 +8,7 @@ every agent's update bit-identical when the aggregated gradient is identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,18 +71,32 @@ class LocalTrainer:
         return self.x[idx], self.y[idx]
 
     def gradient(
-        self, anchor: torch.Tensor | None = None, mu: float = 0.0
+        self,
+        anchor: torch.Tensor | None = None,
+        mu: float = 0.0,
+        *,
+        on_grad: Callable[[int], None] | None = None,
     ) -> tuple[float, torch.Tensor]:
         """Loss and flat gradient on the next batch.
 
         With `anchor` and `mu`, adds the correction ``mu * (params - anchor)`` that
-        keeps local steps from drifting far from the last global model.
+        keeps local steps from drifting far from the last global model. During
+        backward, ``on_grad(i)`` is called as soon as the gradient of parameter i
+        (in `model.parameters()` order) is complete (see `training.overlap`).
         """
         xb, yb = self.next_batch()
         self.model.train()
         self.model.zero_grad(set_to_none=False)
         loss = F.cross_entropy(self.model(xb), yb)
-        loss.backward()
+        hooks = [] if on_grad is None else [
+            p.register_post_accumulate_grad_hook(lambda _, i=i: on_grad(i))
+            for i, p in enumerate(self.model.parameters()) if p.requires_grad
+        ]  # fmt: skip
+        try:
+            loss.backward()
+        finally:
+            for hook in hooks:
+                hook.remove()
         grad = flat_grads(self.model)
         if anchor is not None and mu:
             grad.add_(self.params - anchor, alpha=mu)

@@ -1,0 +1,217 @@
+"""Overlap: a sync round's gradient all-reduced bucket by bucket while backward runs.
+
+With the job field `bucket_kb`, the flat gradient is cut into buckets (see
+`training.buckets`). A hook on every parameter notes when its gradient is in;
+once all of a bucket's are, the bucket goes to one communication thread, which
+scales it, runs error feedback and group-top-k on its entries and all-reduces it
+alone (`Exchange.reduce_bucket`) while backward goes on with the earlier layers.
+The main thread then waits for the last bucket, puts the reduced vector together
+and takes the same optimizer step as without overlap.
+
+Why the method stays intact:
+
+- groups never straddle a bucket, so group-top-k keeps per bucket exactly what it
+  keeps over the whole vector; error feedback works entry by entry anyway;
+- every agent hands its buckets over in the same order and one thread reduces
+  them in that order, so the ring stays in step; frames carry the bucket in
+  their phase (`collective.ring.tagged`);
+- a bucket's ring chunks fall elsewhere than the whole vector's, so the agents'
+  contributions are added in another order: the result differs from a run
+  without buckets by float rounding, and every agent still ends with the same
+  parameters.
+
+Tuning and limits: the forward pass and the backward of bucket 0's layers come
+before any communication, so an overlapped step still takes at least
+``forward + backward(bucket 0) + communication`` (plus the last bucket's ring when
+compute is the longer part). Overlap hides the backward of the earlier layers:
+at most min(backward, communication) per round. Small first buckets start the
+ring early; few buckets keep the per-bucket ring latency (2(N-1) steps each) and
+frame headers low. A handful of buckets per model is the place to start.
+
+Errors: a `CollectiveError` on the communication thread skips the buckets behind
+it, ends the thread, and is raised again on the main thread, the same object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fedring.collective.channel import CollectiveTimeout
+from fedring.config import JobSpec
+from fedring.training.buckets import Bucket, Readiness, bucket_layout
+from fedring.training.exchange import Exchange
+from fedring.training.trainer import LocalTrainer
+from fedring.transport.base import Deadline
+from fedring.transport.inproc import Baton
+
+Reduce = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class CommThread:
+    """One thread that reduces the buckets it is handed, one after another.
+
+    The owner hands buckets over with `hand`, then calls `finish` (or `abandon`
+    after a failure of its own); either way the thread ends after the bucket it is
+    reducing, whose every ring step has its own deadline.
+    """
+
+    def __init__(self, reduce: Reduce, name: str, baton: Baton | None = None) -> None:
+        self._reduce = reduce
+        self._baton = baton  # the simulator's turn-taking: waiting here must pass it on
+        self._cond = threading.Condition()
+        self._todo: deque[tuple[int, torch.Tensor]] = deque()
+        self._done: dict[int, torch.Tensor] = {}
+        self._handed = 0
+        self._closed = False
+        self._error: BaseException | None = None
+        self.first_handed = 0.0  # perf_counter() of the first `hand`
+        self.last_reduced = 0.0  # perf_counter() when the last bucket was reduced
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def hand(self, index: int, vec: torch.Tensor) -> None:
+        with self._cond:
+            if not self._handed:
+                self.first_handed = time.perf_counter()
+            self._todo.append((index, vec))
+            self._handed += 1
+            self._cond.notify_all()
+
+    def finish(self, deadline: Deadline) -> dict[int, torch.Tensor]:
+        """The reduced buckets by index once all are done; raise the thread's error."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            while len(self._done) < self._handed and self._error is None:
+                if deadline.expired:
+                    self._todo.clear()
+                    raise CollectiveTimeout(f"{self._thread.name}: buckets still unreduced")
+                self._wait(deadline.remaining())
+        self._thread.join(deadline.remaining())  # it is past its last bucket
+        if self._error is not None:
+            raise self._error
+        return self._done
+
+    def abandon(self) -> None:
+        """Drop the buckets not started; the thread ends after the current one."""
+        with self._cond:
+            self._closed = True
+            self._todo.clear()
+            self._cond.notify_all()
+
+    def _wait(self, timeout: float) -> None:
+        if self._baton is None:
+            self._cond.wait(timeout)
+        else:
+            self._baton.wait(self._cond, timeout)
+
+    def _run(self) -> None:
+        # In the simulator the thread takes turns with the agents like they do with
+        # each other (see `Baton`): no GIL convoy, and no overlap that a shared CPU
+        # could not give anyway.
+        with self._baton.turn() if self._baton else contextlib.nullcontext():
+            while (index_vec := self._next()) is not None:
+                try:
+                    out = self._reduce(*index_vec)
+                except BaseException as exc:  # handed to the owner, raised there
+                    with self._cond:
+                        self._error = exc
+                        self._todo.clear()
+                        self._cond.notify_all()
+                    return
+                with self._cond:
+                    self._done[index_vec[0]] = out
+                    self.last_reduced = time.perf_counter()
+                    self._cond.notify_all()
+
+    def _next(self) -> tuple[int, torch.Tensor] | None:
+        """The next bucket to reduce; None once the owner closed and none is left."""
+        with self._cond:
+            while not self._todo and not self._closed:
+                self._wait(1.0)  # `finish` or `abandon` always closes
+            return self._todo.popleft() if self._todo else None
+
+
+@dataclass
+class Agreed:
+    """One round's local gradient, the agreed sum over agents, and where the time went."""
+
+    loss: float
+    grad: torch.Tensor
+    total: torch.Tensor
+    compute_s: float  # forward and backward on the main thread
+    comm_s: float  # the exchange; with buckets, first one handed over to last one reduced
+
+
+@dataclass
+class Overlap:
+    """One agent's bucket layout and the exchange that reduces its buckets."""
+
+    exchange: Exchange
+    buckets: list[Bucket]
+    offsets: list[int]  # start of every parameter in the flat vector
+    baton: Baton | None = None
+
+    @classmethod
+    def build(
+        cls, spec: JobSpec, trainer: LocalTrainer, exchange: Exchange, baton: Baton | None = None
+    ) -> Overlap:
+        sizes = [p.numel() for p in trainer.model.parameters()]
+        buckets = bucket_layout(sizes, spec.bucket_kb * 1024 // 4, spec.group_size)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        return cls(exchange, buckets, offsets, baton)
+
+    def gradient(self, trainer: LocalTrainer, *, scale: float, round: int) -> Agreed:
+        """Forward and backward on the next batch, each bucket all-reduced as soon as
+        its gradients are in; the sum over agents of ``scale * gradient``."""
+        ex, buckets = self.exchange, self.buckets
+        flat = torch.zeros(ex.numel, dtype=torch.float32)
+        ready = Readiness(buckets)
+        params = list(trainer.model.parameters())
+
+        def reduce(j: int, vec: torch.Tensor) -> torch.Tensor:
+            span = (buckets[j].start, buckets[j].end)
+            return ex.reduce_bucket(vec, span=span, scale=scale, round=round, bucket=j)
+
+        def copy_grad(i: int) -> None:
+            grad = params[i].grad
+            if grad is not None:
+                a = self.offsets[i]
+                flat[a : a + grad.numel()].copy_(grad.detach().reshape(-1))
+
+        def arrived(i: int) -> None:
+            copy_grad(i)
+            for j in ready.arrived(i):
+                comm.hand(j, flat[buckets[j].start : buckets[j].end])
+
+        comm = CommThread(reduce, f"{ex.channel.name}-comm-r{round}", self.baton)
+        start = time.perf_counter()
+        try:
+            loss, grad = trainer.gradient(on_grad=arrived)
+            rest = ready.rest()
+            for i in {i for j in rest for i in buckets[j].params}:
+                copy_grad(i)  # parameters that got no gradient hook this step
+            for j in rest:
+                comm.hand(j, flat[buckets[j].start : buckets[j].end])
+        except BaseException:
+            comm.abandon()
+            raise
+        compute_s = time.perf_counter() - start
+        parts = comm.finish(Deadline.after(self._deadline_s()))
+        total = torch.empty_like(flat)
+        for j, b in enumerate(buckets):
+            total[b.start : b.end] = parts[j]
+        return Agreed(loss, grad, total, compute_s, comm.last_reduced - comm.first_handed)
+
+    def _deadline_s(self) -> float:
+        """A bound the communication thread's own deadlines keep it under: every
+        ring step of every bucket waits at most `timeout_s`."""
+        ring = self.exchange.ring
+        return 2 * ring.world * len(self.buckets) * self.exchange.spec.timeout_s + 1.0
