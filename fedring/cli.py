@@ -212,6 +212,11 @@ def simulate_cmd(
         help="Sync: all-reduce the gradient in buckets of about this many KB while "
         "backward runs (overlap); per-round compute_s, comm_s, step_s in the rows. [0 = off]",
     ),
+    update_delay: int | None = typer.Option(
+        None,
+        help="Sync: 1 applies each agreed gradient one round late, so the ring runs during "
+        "the next round's compute (SEEDS D). [0 = off]",
+    ),
     target_accuracy: float | None = typer.Option(None, help="Stop once reached (0 = never). [0]"),
     seed: int | None = typer.Option(None, help="Seed of split, shards, init and batches. [0]"),
     out: Path | None = typer.Option(

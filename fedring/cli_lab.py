@@ -155,6 +155,9 @@ def bench_lab_cmd(
     seed: int = typer.Option(0, "--seed"),
     out: Path = typer.Option(Path("runs/edge-lab"), "--out", help="Logs, JSON, plot, report."),
     timeout: float = typer.Option(900.0, "--timeout", help="Per method, seconds."),
+    overlap: bool = typer.Option(
+        False, "--overlap", help="Instead: sync step times with and without overlap (2 agents)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """fedring (compressed sync and local, dense) beside Flower FedAvg and gloo DDP on the
@@ -168,6 +171,11 @@ def bench_lab_cmd(
     if why or unknown:
         err.print(f"[red]error: {escape(why or f'--task {unknown}: expected digits, mnist1d')}")
         raise typer.Exit(2)
+
+    if overlap:
+        found = edge_lab.overlap(out=out, timeout_s=timeout)
+        print(json.dumps(found, sort_keys=True) if as_json else edge_lab.overlap_table(found))
+        return
 
     def tell(row: edge_lab.Row) -> None:
         secs = f"{row.seconds_to_target:.1f} s" if row.seconds_to_target else "not reached"

@@ -78,6 +78,10 @@ class JobSpec:
     # Sync: cut the gradient into buckets of about this many KB (fp32), in backward
     # order, and compress and all-reduce each while backward goes on; 0 = off.
     bucket_kb: int = 0
+    # Sync: apply each agreed gradient one round late (0 = off, 1 = on), so the ring
+    # all-reduce of round r's gradient runs while round r+1 computes (SEEDS D's
+    # delayed update); every agent still applies the same updates.
+    update_delay: int = 0
 
     def __post_init__(self) -> None:
         _check_int(self, "agents", 1, 1024)
@@ -109,6 +113,7 @@ class JobSpec:
         _check_float(self, "timeout_s", 0.01, 3600.0)
         _check_int(self, "checkpoint_every", 1, 10**6)
         _check_int(self, "bucket_kb", 0, 10**6)
+        _check_int(self, "update_delay", 0, 1)
         if self.async_wait > self.agents:
             raise SpecError(f"async_wait={self.async_wait} exceeds agents={self.agents}")
         try:
@@ -131,6 +136,16 @@ class JobSpec:
                 f"field 'bucket_kb'={self.bucket_kb} overlaps the ring all-reduce with backward: "
                 "it needs sync='sync', aggregation mean or weighted and a ring or torus, not "
                 f"sync={self.sync!r}, aggregation={self.aggregation!r}, topology={self.topology!r}"
+            )
+        if self.update_delay and (
+            self.sync != "sync" or agg.kind not in ("mean", "weighted") or self.topology == "star"
+            or self.bucket_kb
+        ):  # fmt: skip
+            raise SpecError(
+                f"field 'update_delay'={self.update_delay} runs the ring during the next "
+                "round's compute: it needs sync='sync', aggregation mean or weighted, a ring or "
+                f"torus and bucket_kb=0, not sync={self.sync!r}, aggregation="
+                f"{self.aggregation!r}, topology={self.topology!r}, bucket_kb={self.bucket_kb}"
             )
         if self.lr == 0:  # auto, once the aggregation is known to parse
             object.__setattr__(self, "lr", 0.1 if self.plain_ef_sgd else 0.025)

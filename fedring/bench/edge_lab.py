@@ -285,3 +285,59 @@ def table(doc: dict[str, Any]) -> str:
             f"{r['bytes_sent_per_agent'] / 1e6:.2f} | {r['bytes_received_per_agent'] / 1e6:.2f} |"
         )
     return "\n".join(lines)
+
+
+OVERLAP_JOB: dict[str, Any] = {
+    # Compute and communication of the same order on this host: a 1.1 M-parameter MLP,
+    # batch 512, group-top-k 1 % without warm-up, the lr fixed (no scaling) to stay sane.
+    "dataset": "digits", "model": "mlp:1024x1024", "batch_size": 512, "density_warmup": 0,
+    "lr": 0.1, "lr_scaling": "none",
+}  # fmt: skip
+OVERLAP_VARIANTS: dict[str, dict[str, Any]] = {
+    "sequential": {},
+    "update_delay=1": {"update_delay": 1},
+    "bucket_kb=64": {"bucket_kb": 64},
+}
+
+
+def overlap(
+    agents: int = 2,
+    bandwidths: tuple[float, ...] = (10.0, 5.0),
+    rounds: int = 60,
+    out: Path = Path("runs/edge-lab-overlap"),
+    timeout_s: float = 600.0,
+) -> list[dict[str, Any]]:
+    """Median compute, communication and step seconds of a sync round, with and
+    without overlap, from the ring head's rows (the first 10 rounds left out)."""
+    from statistics import median
+
+    found = []
+    for bw in bandwidths:
+        with Lab(agents, bw, workdir=out / f"{bw:g}mbit") as lab:
+            lab.start_agents()
+            for name, extra in OVERLAP_VARIANTS.items():
+                spec = JobSpec(agents=agents, rounds=rounds, eval_every=rounds, timeout_s=60.0,
+                               checkpoint_every=rounds, **OVERLAP_JOB).replace(**extra)  # fmt: skip
+                tag = name.replace("=", "")
+                result = lab.run_job(spec, name=tag, timeout_s=timeout_s)
+                rows = result["rows"][10:-1]  # warm-up, and the last with the final upload
+                ms = {
+                    k: 1000 * median(r[k] for r in rows) for k in ("compute_s", "comm_s", "step_s")
+                }
+                found.append({"bandwidth_mbps": bw, "variant": name, **ms,
+                              "final_accuracy": result["summary"]["final_accuracy"]})  # fmt: skip
+    return found
+
+
+def overlap_table(found: list[dict[str, Any]]) -> str:
+    """Each overlapped step over max(compute, comm) measured without overlap."""
+    lines = ["| Mbit/s | variant | compute ms | comm ms | step ms | step ÷ max(compute, comm) "
+             "of the sequential run | final acc |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for f in found:
+        base = next(b for b in found if b["variant"] == "sequential"
+                    and b["bandwidth_mbps"] == f["bandwidth_mbps"])  # fmt: skip
+        ratio = f["step_s"] / max(base["compute_s"], base["comm_s"])
+        lines.append(f"| {f['bandwidth_mbps']:g} | {f['variant']} | {f['compute_s']:.1f} | "
+                     f"{f['comm_s']:.1f} | {f['step_s']:.1f} | {ratio:.2f} | "
+                     f"{f['final_accuracy']:.4f} |")  # fmt: skip
+    return "\n".join(lines)

@@ -80,6 +80,7 @@ class _State:
     order: torch.Tensor
     pos: int
     samples: int
+    pending: torch.Tensor | None = None  # update_delay: last round's gradient, not yet reduced
 
 
 class JobWorker:
@@ -130,9 +131,11 @@ class JobWorker:
     def _keep(self, r: int) -> None:
         t = self.trainer
         res = self._residual()
+        pending = self.exchange.pending if self.exchange is not None else None
         self.states[r] = _State(
             t.params, t.velocity.clone(), None if res is None else res.clone(),
             t._gen.get_state(), t._order.clone(), t._pos, t.samples_seen,
+            None if pending is None else pending.clone(),
         )  # fmt: skip
         self.states.move_to_end(r)
         # The coordinator may restart the ring from either of the two newest
@@ -163,6 +166,8 @@ class JobWorker:
                 res.zero_()
         t._gen.set_state(st.rng)
         t._order, t._pos, t.samples_seen = st.order.clone(), st.pos, st.samples
+        if self.exchange is not None:
+            self.exchange.pending = None if st.pending is None else st.pending.clone()
         self.committed = r
         return True
 
@@ -170,6 +175,8 @@ class JobWorker:
         """Take the checkpoint's parameters for round `r` (velocity kept at zero)."""
         self.trainer.set_params(params)
         self.trainer.velocity.zero_()
+        if self.exchange is not None:
+            self.exchange.pending = None  # the checkpoint holds parameters only
         self.states.clear()
         self.committed = r
         self._keep(r)

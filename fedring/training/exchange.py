@@ -67,6 +67,8 @@ class Exchange:
     topk: GroupTopK | None = None
     schedule: DensitySchedule | None = None  # DGC density warm-up
     last_error: float = 0.0  # ||g - sent|| / ||g|| of the last compression
+    # update_delay: the gradient computed last round, to be all-reduced this round
+    pending: torch.Tensor | None = None
     # ||g - sent||^2 and ||g||^2 over this round's buckets so far (bucket 0 starts afresh)
     _bucket_sq: tuple[float, float] = field(default=(0.0, 0.0), init=False, repr=False)
 

@@ -3,6 +3,8 @@
 - ``sync``: every round, one local gradient, averaged over the ring (compressed),
   then one momentum-SGD step with the scaled learning rate. All agents hold the
   same parameters after every round (except with ``hybrid`` aggregation).
+  With ``update_delay = 1`` each round's gradient is all-reduced during the next
+  round's forward and backward and applied then (one round late; SEEDS D).
 - ``local``: H local steps, then the parameter *deltas* since the last sync are
   averaged (compressed, with error feedback) and applied to the synced model.
 - ``adaptive``: like local, with the interval set from the loss trend as in
@@ -31,8 +33,9 @@ from fedring.config import JobSpec
 from fedring.training.exchange import Exchange
 from fedring.training.lr import LrSchedule
 from fedring.training.monitor import Monitor
-from fedring.training.overlap import Agreed, Overlap
+from fedring.training.overlap import Agreed, CommThread, Overlap
 from fedring.training.trainer import LocalTrainer
+from fedring.transport.base import Deadline
 from fedring.transport.inproc import Baton
 
 
@@ -89,7 +92,9 @@ def run_agent(ctx: AgentContext) -> AgentResult:
             ctx.before_round(r)
         lr = sched.lr_at(r) * lr_factor
         timing: dict[str, float] = {}
-        if spec.sync == "sync":
+        if spec.sync == "sync" and spec.update_delay:
+            loss, gnorm, timing = _delayed_round(ctx, agg, r, lr)
+        elif spec.sync == "sync":
             loss, gnorm, timing = _sync_round(ctx, agg, r, lr, overlap)
         else:
             loss, gnorm = _local_round(ctx, agg, r, lr, interval)
@@ -105,6 +110,7 @@ def run_agent(ctx: AgentContext) -> AgentResult:
             verdict = monitor.check(test_loss)
             if verdict == "rollback":
                 trainer.restore(good, ex.ef.residual if ex.ef else None)
+                ex.pending = None  # a gradient of the diverged parameters
                 lr_factor *= 0.5
                 result.rollbacks += 1
             else:
@@ -160,6 +166,39 @@ def _sync_round(
     times = {"compute_s": done.compute_s, "comm_s": done.comm_s}
     times["step_s"] = time.perf_counter() - start
     return done.loss, float(done.grad.norm()), times
+
+
+def _delayed_round(
+    ctx: AgentContext, agg: Aggregation, r: int, lr: float
+) -> tuple[float, float, dict[str, float]]:
+    """`update_delay`: all-reduce last round's gradient on a thread while this round's
+    forward and backward run, then step on it; this round's gradient waits for the
+    next. Every agent steps on the same agreed sums, one round late (in the first
+    round of a segment there is none yet). The pending gradient is part of the
+    agent's state (`Exchange.pending`), kept and restored with it."""
+    trainer, ex = ctx.trainer, ctx.exchange
+    start = time.perf_counter()
+    pending, ex.pending = ex.pending, None
+    comm = None
+    if pending is not None:
+        reduce = lambda _j, vec: _agree(ctx, agg, vec, r)  # noqa: E731
+        comm = CommThread(reduce, f"{ex.channel.name}-delayed-r{r}", ctx.baton)
+        comm.hand(0, pending)
+    try:
+        loss, g = trainer.gradient()
+    except BaseException:
+        if comm is not None:
+            comm.abandon()
+        raise
+    times = {"compute_s": time.perf_counter() - start, "comm_s": 0.0}
+    if comm is not None:
+        deadline = Deadline.after(2 * ex.ring.world * ctx.spec.timeout_s + 1.0)
+        total = comm.finish(deadline)[0]
+        trainer.step(total, lr)
+        times["comm_s"] = comm.last_reduced - comm.first_handed
+    ex.pending = g
+    times["step_s"] = time.perf_counter() - start
+    return loss, float(g.norm()), times
 
 
 def _local_round(
