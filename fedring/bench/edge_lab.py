@@ -253,8 +253,9 @@ def plot(
     fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.5), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         for r in (r for r in rows if r.task == task):
-            if r.curve:
-                xs, ys = zip(*r.curve, strict=True)
+            points = [(t, a) for t, a in r.curve if t > 0]  # a log axis: round 0 is at t = 0
+            if points:
+                xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, marker=".", label=r.method)
             ax.axhline(r.target, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log")
