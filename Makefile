@@ -29,6 +29,9 @@ broker:
 	  { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients; } || \
 	  echo "note: mosquitto is not installed; the MQTT tests will be skipped (apt-get install mosquitto mosquitto-clients)"
+	@[ "$$(id -u)" != 0 ] || [ -x /usr/sbin/nft ] || command -v nft >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2; } || \
+	  echo "note: nftables is not installed; the lab's loss tests will be skipped"
 
 test: lint broker
 	$(BIN)/pytest -q

@@ -14,6 +14,7 @@ import pytest
 
 from fedring.config import JobSpec
 from fedring.lab import netns
+from fedring.lab.impair import loss_unsupported
 from fedring.lab.lab import Lab
 from fedring.transport.mosquitto import MosquittoMissing, mosquitto_binary
 from tests.lab.labcheck import host_qdiscs, lab_pids, leftovers
@@ -170,6 +171,7 @@ def test_bad_bandwidth_is_refused_before_anything_is_built(tmp_path: Path) -> No
     assert not any(n.startswith(lab.net.prefix) for n in netns.existing())
 
 
+@pytest.mark.skipif(bool(loss_unsupported()), reason=f"no nftables: {loss_unsupported()}")
 def test_loss_and_delay_reach_the_agents_links(tmp_path: Path) -> None:
     spec = JobSpec(agents=2, rounds=30, eval_every=10, checkpoint_every=10, timeout_s=30.0)
     with Lab(2, 50.0, workdir=tmp_path, loss=0.05, delay_ms=30.0) as lab:
