@@ -18,6 +18,7 @@ from fedring.lab.impair import loss_unsupported
 from fedring.lab.lab import Lab
 from fedring.transport.mosquitto import MosquittoMissing, mosquitto_binary
 from tests.lab.labcheck import host_qdiscs, lab_pids, leftovers
+from tests.mqtt.conftest import wait_for
 
 
 def _why_not() -> str | None:
@@ -86,21 +87,9 @@ def test_a_job_runs_over_the_labs_broker_and_leaves_nothing(tmp_path: Path) -> N
     assert leftovers(tmp_path) == []
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _agents_ready(workdir: Path, n: int) -> bool:
-    return all(
-        "ready on" in (workdir / f"agent-{i}.log").read_text(errors="replace")
-        for i in range(n)
-        if (workdir / f"agent-{i}.log").exists()
-    ) and all((workdir / f"agent-{i}.log").exists() for i in range(n))
+    logs = [workdir / f"agent-{i}.log" for i in range(n)]
+    return all(log.exists() and "ready on" in log.read_text(errors="replace") for log in logs)
 
 
 def test_an_exception_inside_the_lab_tears_it_down(tmp_path: Path) -> None:
@@ -127,7 +116,7 @@ def test_sigterm_to_a_running_lab_tears_it_down(tmp_path: Path) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:  # broker, two agents and the coordinator, with training under way
-        _wait_for(lambda: len(lab_pids(tmp_path)) == 4 and _agents_ready(tmp_path, 2), 120,
+        wait_for(lambda: len(lab_pids(tmp_path)) == 4 and _agents_ready(tmp_path, 2), 120,
                   "the lab to run")  # fmt: skip
         time.sleep(2.0)
         proc.send_signal(signal.SIGTERM)
@@ -152,7 +141,7 @@ def test_lab_clean_removes_what_a_killed_lab_left(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
-        _wait_for(lambda: _agents_ready(tmp_path, 2), 120, "the agents")
+        wait_for(lambda: _agents_ready(tmp_path, 2), 120, "the agents")
     finally:
         proc.kill()  # SIGKILL: no teardown runs
         proc.wait()
