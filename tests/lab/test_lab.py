@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,11 +72,11 @@ def test_each_link_is_shaped_both_ways(tmp_path: Path) -> None:
     assert host_qdiscs() == qdiscs_before  # nothing was shaped outside the lab
 
 
-def test_a_job_runs_over_the_labs_broker_and_leaves_nothing(tmp_path: Path) -> None:
+def test_a_job_runs_over_the_labs_broker(make_lab: Callable[..., Lab]) -> None:
     spec = JobSpec(agents=3, rounds=60, eval_every=20, checkpoint_every=20, timeout_s=30.0)
-    with Lab(3, 50.0, workdir=tmp_path) as lab:
-        lab.start_agents()
-        result = lab.run_job(spec, timeout_s=300)
+    lab = make_lab(3, 50.0)  # the fixture checks that nothing is left afterwards
+    lab.start_agents()
+    result = lab.run_job(spec, timeout_s=300)
     summary = result["summary"]
     assert summary["identical_models"] and summary["rounds"] == 60
     assert summary["final_accuracy"] > 0.8
@@ -84,7 +85,6 @@ def test_a_job_runs_over_the_labs_broker_and_leaves_nothing(tmp_path: Path) -> N
     for i in range(3):  # the kernel saw at least what fedring counted as ring frames
         sent, received = result["link_bytes"][f"a{i}"]
         assert sent >= summary["agent_bytes"][f"lab-{i}"]["link"] > 0 and received > 0
-    assert leftovers(tmp_path) == []
 
 
 def _agents_ready(workdir: Path, n: int) -> bool:
@@ -161,16 +161,15 @@ def test_bad_bandwidth_is_refused_before_anything_is_built(tmp_path: Path) -> No
 
 
 @pytest.mark.skipif(bool(loss_unsupported()), reason=f"no nftables: {loss_unsupported()}")
-def test_loss_and_delay_reach_the_agents_links(tmp_path: Path) -> None:
+def test_loss_and_delay_reach_the_agents_links(make_lab: Callable[..., Lab]) -> None:
     spec = JobSpec(agents=2, rounds=30, eval_every=10, checkpoint_every=10, timeout_s=30.0)
-    with Lab(2, 50.0, workdir=tmp_path, loss=0.05, delay_ms=30.0) as lab:
-        lab.start_agents()
-        result = lab.run_job(spec, timeout_s=300)
-        dropped = lab.dropped()
+    lab = make_lab(2, 50.0, loss=0.05, delay_ms=30.0)
+    lab.start_agents()
+    result = lab.run_job(spec, timeout_s=300)
+    dropped = lab.dropped()
     assert result["summary"]["identical_models"] and result["summary"]["rounds"] == 30
     assert all(n > 0 for n in dropped.values()) and len(dropped) == 2, dropped
     # every ring step crosses two proxies (sender to broker, broker to receiver): >= 60 ms,
     # and a round of 2 agents has 2 steps
     per_round = result["rows"][-1]["wall_s"] / 30
     assert per_round >= 0.12, per_round
-    assert leftovers(tmp_path) == []
