@@ -20,7 +20,6 @@ each agent's interface while the method ran, so MQTT, gRPC and TCP overheads are
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +29,6 @@ from typing import Any
 from fedring.config import JobSpec
 from fedring.lab.lab import Lab
 from fedring.lab.netns import AGENT_IFACE
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -90,12 +87,17 @@ def to_target(
     return None, None
 
 
+def _mean_bytes(per_node: dict[str, Any]) -> tuple[float, float]:
+    """Mean (sent, received) over the agents of {node: (sent, received)}."""
+    sent = [b[0] for b in per_node.values()]
+    received = [b[1] for b in per_node.values()]
+    return sum(sent) / len(sent), sum(received) / len(received)
+
+
 def _bytes(
     before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]
 ) -> tuple[float, float]:
-    sent = [after[n][0] - before[n][0] for n in after]
-    received = [after[n][1] - before[n][1] for n in after]
-    return sum(sent) / len(sent), sum(received) / len(received)
+    return _mean_bytes({n: (a[0] - before[n][0], a[1] - before[n][1]) for n, a in after.items()})
 
 
 def fedring_row(lab: Lab, task: Task, method: str, overrides: dict[str, Any], seed: int,
@@ -110,12 +112,11 @@ def fedring_row(lab: Lab, task: Task, method: str, overrides: dict[str, Any], se
     points = [(float(r["wall_s"]), float(r["accuracy"]), int(r["round"]))
               for r in result["rows"] if "accuracy" in r and "wall_s" in r]  # fmt: skip
     seconds, rounds = to_target(points, task.target)
-    sent = [b[0] for b in result["link_bytes"].values()]
-    received = [b[1] for b in result["link_bytes"].values()]
+    sent, received = _mean_bytes(result["link_bytes"])
     summary = result["summary"]
     return Row(
         method, task.name, task.target, seconds, rounds, float(summary["final_accuracy"]),
-        int(summary["rounds"]), sum(sent) / len(sent), sum(received) / len(received),
+        int(summary["rounds"]), sent, received,
         float(result["wall_seconds"]), [(t, a) for t, a, _ in points],
         note="" if summary["identical_models"] else "models differ",
     )  # fmt: skip

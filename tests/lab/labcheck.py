@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -37,7 +36,3 @@ def host_qdiscs() -> str:
 def lab_pids(workdir: Path) -> list[int]:
     path = workdir / "lab.json"
     return json.loads(path.read_text())["pids"] if path.exists() else []
-
-
-def own_namespace_inode() -> int:
-    return os.stat("/proc/self/ns/net").st_ino
