@@ -26,6 +26,7 @@ POLICIES = ("bounded", "exact")
 TOPOLOGIES = ("auto", "ring", "torus", "star")
 LR_SCALINGS = ("linear", "sqrt", "none")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
+INITS = ("sent", "derived")
 
 
 class SpecError(ValueError):
@@ -70,6 +71,10 @@ class JobSpec:
     eval_every: int = 10  # rounds between evaluations (and divergence checks)
     target_accuracy: float = 0.0  # stop once reached (0 = run all rounds)
     seed: int = 0  # seeds data split, shards, init and batches
+    # How members get the initial model: "sent" (the coordinator's parameters, hash-
+    # checked; works across architectures) or "derived" (each rebuilds it from the
+    # seed and compares hashes; only where every board's torch draws the same bits).
+    init: str = "sent"
     timeout_s: float = 60.0  # deadline of every ring step
     # Over MQTT the ring's head uploads its dense parameters for the coordinator's
     # checkpoint every this many rounds (and at the end); `--resume` and a re-formed
@@ -93,6 +98,7 @@ class JobSpec:
         _check_choice(self, "topology", TOPOLOGIES)
         _check_choice(self, "sync", SYNC_MODES)
         _check_choice(self, "lr_scaling", LR_SCALINGS)
+        _check_choice(self, "init", INITS)
         for name in (
             "local_steps",
             "rounds",

@@ -1,9 +1,10 @@
 """`fedring simulate`: N agents in one process, real frames over the in-process transport.
 
-The coordinator's part is done here (load and shard the data, publish a manifest
-with a sha256 per shard and the initial model's hash); each agent then verifies
-its shard and its initial model before training, exactly as a board would, and
-runs `training.sync.run_agent` (or the async star in `sim.async_star`).
+The coordinator's part is done here (`engine.plan`: load and shard the data, a
+manifest with a sha256 per shard, the initial model's parameters and hash); each
+agent then verifies its shard and the initial parameters it is handed before
+training, exactly as a board would, and
+runs the engine's loop (`engine.loop.run`; the async star is `sim.async_star`).
 """
 
 from __future__ import annotations
@@ -17,73 +18,40 @@ from typing import Any
 
 import torch
 
-from fedring.aggregation.rules import Aggregation, capped_weights
+from fedring import build
+from fedring.aggregation.rules import Aggregation
 from fedring.collective.channel import CollectiveError, PeerChannel
-from fedring.collective.torus import build_ring, layout_name
+from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
 from fedring.counters import Counters
+from fedring.engine.group import LOCAL_KEY, local_group
+from fedring.engine.loop import LoopResult, run
+from fedring.engine.plan import Plan, prepare
+from fedring.engine.plan import plan as plan_task
+from fedring.engine.reducer import STAR
 from fedring.sim.star import serve_star
-from fedring.training.datasets import Dataset, load_dataset
-from fedring.training.exchange import STAR, Exchange
-from fedring.training.models import build_model, param_count, params_sha256
-from fedring.training.sharding import (
-    ShardManifest,
-    build_manifest,
-    make_shards,
-    shard_data,
-    verify_shard,
-)
-from fedring.training.sync import AgentContext, AgentResult, run_agent
-from fedring.training.trainer import LocalTrainer
+from fedring.training.datasets import Dataset
+from fedring.training.models import param_count, params_sha256
 from fedring.transport.inproc import InprocTransport
 
-JOB_KEY = b"fedring-simulate"
 TIMES = ("compute_s", "comm_s", "step_s")  # a sync round's seconds, in every row
 
 
-class ModelMismatch(ValueError):
-    """An agent's initial model does not hash to the manifest's."""
-
-
-@dataclass
-class Plan:
-    """What the coordinator publishes before round 0."""
-
-    spec: JobSpec
-    dataset: Dataset
-    manifest: ShardManifest
-    shards: list[Any]
-    model_sha256: str
-    weights: list[float]
-
-
 def plan(spec: JobSpec) -> Plan:
-    dataset = load_dataset(spec.dataset, spec.seed)
-    shards = make_shards(dataset.y_train.numpy(), spec.agents, spec.sharding, spec.seed)
-    manifest = build_manifest(dataset, shards, spec.sharding, spec.seed)
-    model = build_model(spec.model, dataset.feature_shape, dataset.num_classes, spec.seed)
-    if Aggregation.parse(spec.aggregation).kind == "weighted":
-        weights = capped_weights(manifest.sizes, spec.weight_cap).tolist()
-    else:
-        weights = [1.0 / spec.agents] * spec.agents
-    return Plan(spec, dataset, manifest, shards, params_sha256(model), weights)
+    """The coordinator's part: shards, manifest, initial model."""
+    weighted = Aggregation.parse(spec.aggregation).kind == "weighted"
+    return plan_task(
+        build.task_of(spec), agents=spec.agents, sharding=spec.sharding, seed=spec.seed,
+        weight_cap=spec.weight_cap if weighted else None,
+    )  # fmt: skip
 
 
-def prepare_agent(p: Plan, rank: int) -> LocalTrainer:
-    """What an agent does before training: verify its shard and its initial model."""
-    spec, ds = p.spec, p.dataset
-    x, y = shard_data(ds, p.shards[rank])
-    verify_shard(p.manifest, rank, x, y)
-    model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
-    got = params_sha256(model)
-    if got != p.model_sha256:
-        raise ModelMismatch(
-            f"agent {rank}: initial model sha256 {got[:12]}... != manifest "
-            f"{p.model_sha256[:12]}...; refusing to train from a different starting point"
-        )
-    return LocalTrainer(
-        model, x, y, batch_size=spec.batch_size, momentum=spec.momentum, seed=spec.seed, rank=rank
-    )
+def prepare_model(spec: JobSpec, p: Plan, rank: int) -> tuple[Any, Any, Any]:
+    """What an agent does before training: verify its shard, take the initial model."""
+    return prepare(
+        p.task, p.dataset, p.manifest, p.shards[rank], rank, seed=spec.seed,
+        model_sha256=p.model_sha256, initial=p.initial if spec.init == "sent" else None,
+    )  # fmt: skip
 
 
 def simulate(
@@ -101,40 +69,45 @@ def simulate(
         return simulate_async(spec, plan(spec), on_round, on_done)
     start = time.perf_counter()
     p = plan(spec)
-    trainers = [prepare_agent(p, r) for r in range(spec.agents)]
+    prepared = [prepare_model(spec, p, r) for r in range(spec.agents)]
     torch.set_num_threads(1)  # N agent threads on a small machine: no intra-op oversubscription
     hub, counters = InprocTransport(cooperative=True), Counters()
     baton = hub.baton
-    names = tuple(f"agent-{i}" for i in range(spec.agents))
-    channels = [PeerChannel(hub.connect(n), "sim", key=JOB_KEY, counters=counters) for n in names]
-    numel = param_count(trainers[0].model)
+    groups = local_group(spec.agents, job="sim", topology=spec.topology,
+                         timeout_s=spec.timeout_s, hub=hub, counters=counters)  # fmt: skip
+    members = [
+        build.member(spec, p.task, p.dataset, *prepared[r], groups[r], rank=r,
+                     weight=p.weights[r], yielder=baton,
+                     on_round=on_round if r == 0 else None)  # fmt: skip
+        for r in range(spec.agents)
+    ]
+    loop = build.loop_settings(spec)
+    numel = param_count(prepared[0][0])
     star = Aggregation.parse(spec.aggregation).needs_star
 
-    def agent(rank: int) -> AgentResult:
-        ring = build_ring(channels[rank], names, spec.topology, spec.timeout_s)
-        ctx = AgentContext(spec, trainers[rank], Exchange.build(ring, spec, numel),
-                           p.dataset.x_test, p.dataset.y_test, p.weights[rank],
-                           on_round if rank == 0 else None, baton=baton)  # fmt: skip
+    def agent(rank: int) -> LoopResult:
         try:
             with baton.turn() if baton else contextlib.nullcontext():
-                return run_agent(ctx)
+                return run(members[rank], loop)
         except BaseException:
-            channels[rank].endpoint.close()  # neighbours fail fast instead of waiting
+            groups[rank].channel.endpoint.close()  # neighbours fail fast instead of waiting
             raise
+        finally:
+            members[rank].state.optimizer.close()
 
     with ThreadPoolExecutor(max_workers=spec.agents + 1) as pool:
         server = None
         if star:
-            centre = PeerChannel(hub.connect(STAR), "sim", key=JOB_KEY, counters=counters)
-            server = pool.submit(serve_star, centre, spec, names, numel)
+            centre = PeerChannel(hub.connect(STAR), "sim", key=LOCAL_KEY, counters=counters)
+            server = pool.submit(serve_star, centre, spec, groups[0].members, numel)
         futures = [pool.submit(agent, r) for r in range(spec.agents)]
         results = _gather(futures + ([server] if server else []))[: spec.agents]
-    summary = summarise(
-        spec, p, results, [t.model for t in trainers], channels, time.perf_counter() - start
-    )
+    channels = [g.channel for g in groups]
+    models = [m.state.model for m in members]
+    summary = summarise(spec, p, results, models, channels, time.perf_counter() - start)
     summary["counters"] = counters.snapshot()
     if on_done is not None:
-        on_done(trainers[0].model, p.dataset)
+        on_done(models[0], p.dataset)
     return summary
 
 
@@ -148,7 +121,7 @@ def _gather(futures: list[Any]) -> list[Any]:
 
 
 def summarise(
-    spec: JobSpec, p: Plan, results: list[AgentResult], models: list[Any],
+    spec: JobSpec, p: Plan, results: list[LoopResult], models: list[Any],
     channels: list[PeerChannel], wall: float,
 ) -> dict[str, Any]:  # fmt: skip
     """The `--json` object: accuracy, rounds, bytes, hashes, and per-round rows."""

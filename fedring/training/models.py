@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -203,19 +203,27 @@ def build_model(
     return model
 
 
-def param_count(model: nn.Module) -> int:
+Params = nn.Module | Iterable[torch.Tensor]  # a model, or its parameters in a chosen order
+
+
+def _params(src: Params) -> list[torch.Tensor]:
+    return list(src.parameters()) if isinstance(src, nn.Module) else list(src)
+
+
+def param_count(model: Params) -> int:
     """Number of scalar parameters: the length of the flat vector."""
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in _params(model))
 
 
-def flat_params(model: nn.Module) -> torch.Tensor:
-    """Return a new float32 1-D copy of all parameters, in `model.parameters()` order."""
-    parts = [p.detach().reshape(-1).to(torch.float32) for p in model.parameters()]
+def flat_params(model: Params) -> torch.Tensor:
+    """Return a new float32 1-D copy of all parameters, in `model.parameters()` order
+    (or in the order of the given tensors)."""
+    parts = [p.detach().reshape(-1).to(torch.float32) for p in _params(model)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
 
 
-def flat_grads(model: nn.Module) -> torch.Tensor:
-    """Return a new float32 1-D copy of all gradients, in `model.parameters()` order.
+def flat_grads(model: Params) -> torch.Tensor:
+    """Return a new float32 1-D copy of all gradients, in `flat_params` order.
 
     A parameter whose ``.grad`` is None (unused this step) contributes zeros.
     """
@@ -223,23 +231,22 @@ def flat_grads(model: nn.Module) -> torch.Tensor:
         torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
         if p.grad is None
         else p.grad.detach().reshape(-1).to(torch.float32)
-        for p in model.parameters()
+        for p in _params(model)
     ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
 
 
-def _chunks(model: nn.Module, flat: torch.Tensor, what: str) -> list[torch.Tensor]:
+def _chunks(params: list[torch.Tensor], flat: torch.Tensor, what: str) -> list[torch.Tensor]:
     """Split `flat` into one view per parameter, checking its rank and length."""
     if flat.dim() != 1:
         raise ValueError(f"flat {what} must be 1-D, got shape {tuple(flat.shape)}")
-    expected = param_count(model)
-    if flat.numel() != expected:
-        raise ValueError(f"flat {what} has length {flat.numel()}, model has {expected} parameters")
-    sizes = [p.numel() for p in model.parameters()]
+    sizes = [p.numel() for p in params]
+    if flat.numel() != sum(sizes):
+        raise ValueError(f"flat {what} has length {flat.numel()}, model has {sum(sizes)} parameters")
     return list(torch.split(flat, sizes)) if sizes else []
 
 
-def set_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
+def set_flat_params(model: Params, flat: torch.Tensor) -> None:
     """Copy `flat` (layout of `flat_params`) into the parameters, in place.
 
     Raises
@@ -247,13 +254,13 @@ def set_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
     ValueError
         If `flat` is not 1-D or its length differs from `param_count(model)`.
     """
-    chunks = _chunks(model, flat, "params")
+    params = _params(model)
     with torch.no_grad():
-        for p, chunk in zip(model.parameters(), chunks, strict=True):
+        for p, chunk in zip(params, _chunks(params, flat, "params"), strict=True):
             p.copy_(chunk.reshape(p.shape))
 
 
-def set_flat_grads(model: nn.Module, flat: torch.Tensor) -> None:
+def set_flat_grads(model: Params, flat: torch.Tensor) -> None:
     """Copy `flat` (layout of `flat_grads`) into each parameter's ``.grad``.
 
     The gradients are copies: later changes to `flat` do not reach the model.
@@ -263,8 +270,8 @@ def set_flat_grads(model: nn.Module, flat: torch.Tensor) -> None:
     ValueError
         If `flat` is not 1-D or its length differs from `param_count(model)`.
     """
-    chunks = _chunks(model, flat, "grads")
-    for p, chunk in zip(model.parameters(), chunks, strict=True):
+    params = _params(model)
+    for p, chunk in zip(params, _chunks(params, flat, "grads"), strict=True):
         if p.grad is None:
             p.grad = torch.empty_like(p)
         p.grad.copy_(chunk.reshape(p.shape))

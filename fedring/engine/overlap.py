@@ -1,11 +1,11 @@
 """Overlap: a sync round's gradient all-reduced bucket by bucket while backward runs.
 
 With the job field `bucket_kb`, the flat gradient is cut into buckets (see
-`training.buckets`). A hook on every parameter notes when its gradient is in;
+`engine.buckets`). A hook on every parameter notes when its gradient is in;
 once all of a bucket's are, the bucket goes to one communication thread, which
 scales it, runs error feedback and group-top-k on its entries and all-reduces it
-alone (`Exchange.reduce_bucket`) while backward goes on with the earlier layers.
-The main thread then waits for the last bucket, puts the reduced vector together
+alone (`Reducer.allreduce_bucket`) while backward goes on with the earlier layers.
+The optimizer's `step` then waits for the last bucket, puts the reduced vector together
 and takes the same optimizer step as without overlap.
 
 Why the method stays intact:
@@ -39,17 +39,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from fedring.collective.channel import CollectiveTimeout
-from fedring.config import JobSpec
-from fedring.training.buckets import Bucket, Readiness, bucket_layout
-from fedring.training.exchange import Exchange
-from fedring.training.trainer import LocalTrainer
+from fedring.engine.buckets import Readiness, bucket_layout
+from fedring.engine.reducer import Reducer
 from fedring.transport.base import Deadline
-from fedring.transport.inproc import Baton
 
 Reduce = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -62,7 +59,7 @@ class CommThread:
     reducing, whose every ring step has its own deadline.
     """
 
-    def __init__(self, reduce: Reduce, name: str, baton: Baton | None = None) -> None:
+    def __init__(self, reduce: Reduce, name: str, baton: Yielder | None = None) -> None:
         self._reduce = reduce
         self._baton = baton  # the simulator's turn-taking: waiting here must pass it on
         self._cond = threading.Condition()
@@ -139,79 +136,95 @@ class CommThread:
             return self._todo.popleft() if self._todo else None
 
 
-@dataclass
-class Agreed:
-    """One round's local gradient, the agreed sum over agents, and where the time went."""
+class Yielder(Protocol):
+    """Turn-taking among threads (the simulator's `Baton`): waits must pass it on."""
 
-    loss: float
-    grad: torch.Tensor
-    total: torch.Tensor
-    compute_s: float  # forward and backward on the main thread
-    comm_s: float  # the exchange; with buckets, first one handed over to last one reduced
+    def turn(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def wait(self, cond: threading.Condition, timeout: float) -> bool: ...
 
 
-@dataclass
-class Overlap:
-    """One agent's bucket layout and the exchange that reduces its buckets."""
+class BucketOverlap:
+    """Hooks on the parameters that hand each bucket to a `CommThread` once its
+    gradients are in (see the module docstring); `collect` returns the round's sum."""
 
-    exchange: Exchange
-    buckets: list[Bucket]
-    offsets: list[int]  # start of every parameter in the flat vector
-    baton: Baton | None = None
+    def __init__(
+        self, params: list[torch.Tensor], reducer: Reducer, bucket_kb: int,
+        yielder: Yielder | None = None,
+    ) -> None:  # fmt: skip
+        sizes = [p.numel() for p in params]
+        self.reducer, self.params, self.yielder = reducer, params, yielder
+        self.buckets = bucket_layout(sizes, bucket_kb * 1024 // 4, reducer.settings.group_size)
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.round, self.scale = 0, 1.0
+        self._comm: CommThread | None = None
+        self._ready = Readiness(self.buckets)
+        self._flat = torch.zeros(sum(sizes), dtype=torch.float32)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self._arrived(i))
+            for i, p in enumerate(params)
+        ]
 
-    @classmethod
-    def build(
-        cls, spec: JobSpec, trainer: LocalTrainer, exchange: Exchange, baton: Baton | None = None
-    ) -> Overlap:
-        sizes = [p.numel() for p in trainer.model.parameters()]
-        buckets = bucket_layout(sizes, spec.bucket_kb * 1024 // 4, spec.group_size)
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        return cls(exchange, buckets, offsets, baton)
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        if self._comm is not None:
+            self._comm.abandon()
+            self._comm = None
 
-    def gradient(self, trainer: LocalTrainer, *, scale: float, round: int) -> Agreed:
-        """Forward and backward on the next batch, each bucket all-reduced as soon as
-        its gradients are in; the sum over agents of ``scale * gradient``."""
-        ex, buckets = self.exchange, self.buckets
-        flat = torch.zeros(ex.numel, dtype=torch.float32)
-        ready = Readiness(buckets)
-        params = list(trainer.model.parameters())
+    def _reduce(self, j: int, vec: torch.Tensor) -> torch.Tensor:
+        b = self.buckets[j]
+        return self.reducer.allreduce_bucket(
+            vec, span=(b.start, b.end), scale=self.scale, round=self.round, bucket=j
+        )
 
-        def reduce(j: int, vec: torch.Tensor) -> torch.Tensor:
-            span = (buckets[j].start, buckets[j].end)
-            return ex.reduce_bucket(vec, span=span, scale=scale, round=round, bucket=j)
+    def _start(self) -> CommThread:
+        if self._comm is None:
+            name = f"{self.reducer.channel.name}-comm-r{self.round}"
+            self._comm = CommThread(self._reduce, name, self.yielder)
+            self._ready = Readiness(self.buckets)
+        return self._comm
 
-        def copy_grad(i: int) -> None:
-            grad = params[i].grad
-            if grad is not None:
-                a = self.offsets[i]
-                flat[a : a + grad.numel()].copy_(grad.detach().reshape(-1))
+    def _copy_grad(self, i: int) -> None:
+        grad = self.params[i].grad
+        if grad is not None:
+            a = self.offsets[i]
+            self._flat[a : a + grad.numel()].copy_(grad.detach().reshape(-1))
 
-        def arrived(i: int) -> None:
-            copy_grad(i)
-            for j in ready.arrived(i):
-                comm.hand(j, flat[buckets[j].start : buckets[j].end])
+    def _arrived(self, i: int) -> None:
+        comm = self._start()
+        self._copy_grad(i)
+        for j in self._ready.arrived(i):
+            comm.hand(j, self._flat[self.buckets[j].start : self.buckets[j].end])
 
-        comm = CommThread(reduce, f"{ex.channel.name}-comm-r{round}", self.baton)
-        start = time.perf_counter()
+    def collect(self) -> tuple[torch.Tensor, float]:
+        """The agreed sum of this round's gradients and the seconds from the first
+        bucket handed over to the last one reduced."""
+        comm = self._start()
         try:
-            loss, grad = trainer.gradient(on_grad=arrived)
-            rest = ready.rest()
-            for i in {i for j in rest for i in buckets[j].params}:
-                copy_grad(i)  # parameters that got no gradient hook this step
+            rest = self._ready.rest()
+            for i in {i for j in rest for i in self.buckets[j].params}:
+                self._copy_grad(i)  # parameters that got no gradient hook this step
             for j in rest:
-                comm.hand(j, flat[buckets[j].start : buckets[j].end])
+                comm.hand(j, self._flat[self.buckets[j].start : self.buckets[j].end])
         except BaseException:
             comm.abandon()
             raise
-        compute_s = time.perf_counter() - start
+        finally:
+            self._comm = None
         parts = comm.finish(Deadline.after(self._deadline_s()))
-        total = torch.empty_like(flat)
-        for j, b in enumerate(buckets):
+        total = torch.empty_like(self._flat)
+        for j, b in enumerate(self.buckets):
             total[b.start : b.end] = parts[j]
-        return Agreed(loss, grad, total, compute_s, comm.last_reduced - comm.first_handed)
+        return total, comm.last_reduced - comm.first_handed
+
+    @property
+    def grad_norm(self) -> float:
+        """Norm of this member's own gradient of the last round."""
+        return float(self._flat.norm())
 
     def _deadline_s(self) -> float:
         """A bound the communication thread's own deadlines keep it under: every
-        ring step of every bucket waits at most `timeout_s`."""
-        ring = self.exchange.ring
-        return 2 * ring.world * len(self.buckets) * self.exchange.spec.timeout_s + 1.0
+        ring step of every bucket waits at most its step timeout."""
+        c = self.reducer.collective
+        return 2 * c.world * len(self.buckets) * c.timeout_s + 1.0

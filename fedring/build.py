@@ -1,0 +1,107 @@
+"""From a `JobSpec` to the engine's objects: the one place runners turn a job into
+typed settings for each layer (nothing below the runners sees the whole spec).
+
+`member` builds what one agent trains with: the job's task, a plain
+`torch.optim.SGD` (momentum off for compressed gradients every step: plain
+EF-SGD, or DGC momentum inside error feedback), the reducer, the distributed
+optimizer, the scaled and warmed-up learning rate, and a seeded sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedring.aggregation.rules import Aggregation
+from fedring.config import JobSpec
+from fedring.engine.group import Group
+from fedring.engine.lr import LinearScaling
+from fedring.engine.loop import LoopSettings, Member
+from fedring.engine.optimizer import DistributedOptimizer, SyncSettings
+from fedring.engine.overlap import Yielder
+from fedring.engine.reducer import Collective, Reducer, ReducerSettings
+from fedring.engine.sampler import ShardSampler
+from fedring.engine.state import TrainerState
+from fedring.engine.task import ClassificationTask, Task
+from fedring.training.datasets import Dataset
+
+
+def task_of(spec: JobSpec, data_dir: Any = None) -> Task:
+    """The job's built-in task (`npz:` paths resolved under an agent's `data_dir`)."""
+    data = spec.dataset
+    if data.startswith("npz:") and data_dir is not None:
+        data = f"npz:{data_dir / data[4:]}"
+    return ClassificationTask(data, spec.model)
+
+
+def reducer_settings(spec: JobSpec) -> ReducerSettings:
+    return ReducerSettings(
+        compression=spec.compression,  # type: ignore[arg-type]
+        density=spec.density,
+        group_size=spec.group_size,
+        value_dtype=spec.value_dtype,  # type: ignore[arg-type]
+        error_feedback=spec.error_feedback,
+        momentum_correction=spec.momentum if spec.compressed_sync and spec.momentum_correction
+        else 0.0,
+        density_warmup=spec.density_warmup,
+        policy=spec.policy,  # type: ignore[arg-type]
+        sign_feedback=Aggregation.parse(spec.aggregation).kind == "vote",
+        timeout_s=spec.timeout_s,
+    )
+
+
+def sync_settings(spec: JobSpec) -> SyncSettings:
+    return SyncSettings(
+        mode="sync" if spec.sync == "sync" else "local",
+        local_steps=spec.local_steps,
+        aggregation=spec.aggregation,
+        rounds=spec.rounds,
+        correction=spec.correction if spec.sync == "adaptive" else 0.0,
+        reset_state_at_sync=True,  # each round's local steps start afresh from the global model
+        update_delay=spec.update_delay,
+        bucket_kb=spec.bucket_kb,
+    )
+
+
+def loop_settings(spec: JobSpec) -> LoopSettings:
+    return LoopSettings(
+        rounds=spec.rounds, eval_every=spec.eval_every, target=spec.target_accuracy,
+        adaptive=spec.sync == "adaptive",
+        stop_at_target=Aggregation.parse(spec.aggregation).kind != "hybrid",
+    )  # fmt: skip
+
+
+def member(
+    spec: JobSpec, task: Task, dataset: Dataset, model: nn.Module, x: torch.Tensor,
+    y: torch.Tensor, collective: Collective | Group, *, rank: int, weight: float,
+    yielder: Yielder | None = None, start_round: int = 0,
+    on_round: Callable[[int, dict[str, Any]], None] | None = None,
+    before_round: Callable[[int], None] | None = None,
+) -> Member:  # fmt: skip
+    """One agent's `Member` for the job (see the module docstring)."""
+    if isinstance(collective, Group):
+        collective = collective.collective
+    momentum = 0.0 if spec.compressed_sync else spec.momentum
+    inner = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=momentum)
+    numel = sum(p.numel() for p in model.parameters())
+    reducer = Reducer(collective, numel, reducer_settings(spec))
+    opt = DistributedOptimizer(inner, reducer, sync_settings(spec), model=model, weight=weight,
+                               yielder=yielder)  # fmt: skip
+    averaged = Aggregation.parse(spec.aggregation).averaged and spec.sync == "sync"
+    scaling = LinearScaling(
+        inner, world=spec.agents, batch_size=spec.batch_size, ref_batch=spec.ref_batch,
+        warmup_steps=spec.warmup_steps, scaling=spec.lr_scaling, averaged=averaged,
+    )  # fmt: skip
+    sampler = ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=rank)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(sampler.next_batch())
+        return x[idx], y[idx]
+
+    return Member(
+        TrainerState(model, opt, sampler), next_batch, task.loss,
+        lambda m: task.evaluate(m, dataset), scaling, on_round, before_round, start_round,
+    )  # fmt: skip

@@ -1,0 +1,79 @@
+"""Groups: who trains together, this member's rank, and the layout of their collective.
+
+    groups = fedring.local_group(4)            # four in-process members, one per thread
+    group = groups[rank]
+    group.rank, group.members, group.layout    # 0, ('agent-0', ...), 'ring of 4'
+
+A `Group` wraps a `PeerChannel` (frames over a transport endpoint) and builds the
+collective the layout asks for: a flat ring, or from 9 members up a torus of rings
+(``topology="auto"``). `local_group` connects members through the in-process
+transport (the embedded default and a test aid); over MQTT the agent daemon
+builds a group from the coordinator's manifest on its broker endpoint, the same
+way `torch.distributed.init_process_group` hands DDP its process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fedring.collective.channel import PeerChannel
+from fedring.collective.torus import build_ring, layout_name
+from fedring.counters import Counters
+from fedring.engine.reducer import Collective
+from fedring.transport.base import Endpoint
+from fedring.transport.inproc import InprocTransport
+
+LOCAL_KEY = b"fedring-local"  # frames of in-process groups are signed too
+
+
+@dataclass
+class Group:
+    """One member's view of its group."""
+
+    channel: PeerChannel
+    members: tuple[str, ...]
+    topology: str = "auto"  # auto | ring | torus
+    timeout_s: float = 60.0  # deadline of every collective step
+    collective: Collective = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.collective = build_ring(self.channel, self.members, self.topology, self.timeout_s)
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.channel.name)
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+    @property
+    def layout(self) -> str:
+        return layout_name(self.topology, self.world)
+
+    @classmethod
+    def on(
+        cls, endpoint: Endpoint, members: tuple[str, ...], *, job: str, key: bytes | None,
+        topology: str = "auto", timeout_s: float = 60.0, counters: Counters | None = None,
+        **channel: object,
+    ) -> Group:  # fmt: skip
+        """The group of `members` as seen from `endpoint` (one of them)."""
+        ch = PeerChannel(endpoint, job, key=key, counters=counters, **channel)  # type: ignore[arg-type]
+        return cls(ch, members, topology, timeout_s)
+
+
+def local_group(
+    n: int, *, job: str = "local", topology: str = "auto", timeout_s: float = 60.0,
+    hub: InprocTransport | None = None, counters: Counters | None = None,
+) -> list[Group]:  # fmt: skip
+    """`n` members connected in-process, one `Group` per member (run each on a thread)."""
+    if n < 1:
+        raise ValueError(f"a group needs at least one member, not {n}")
+    hub = hub or InprocTransport()
+    counters = counters or Counters()
+    names = tuple(f"agent-{i}" for i in range(n))
+    return [
+        Group.on(hub.connect(name), names, job=job, key=LOCAL_KEY, topology=topology,
+                 timeout_s=timeout_s, counters=counters)  # fmt: skip
+        for name in names
+    ]

@@ -1,0 +1,157 @@
+"""Tasks: what a fleet trains — a model factory, a dataset and its shards, a loss, a metric.
+
+A task is any object with the `Task` members. fedring ships one kind,
+`ClassificationTask`, for its built-in datasets (``digits``, ``mnist1d``,
+``synthetic``, ``npz:PATH``) and models (``mlp``, ``cnn``, ``MODULE:FACTORY``);
+a user brings their own (regression, reconstruction, ...) as a class in an
+installed package, registered under the entry-point group ``fedring.tasks``::
+
+    [project.entry-points."fedring.tasks"]
+    housing = "my_pkg.tasks:HousingTask"
+
+An agent never runs code the coordinator sends: it loads a task by name from its
+own installed packages (or from a module its own configuration allows), and the
+manifest names the task, its version and the sha256 of its source, which every
+agent compares with its own copy before training (`TaskId`, `check_task`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedring.training.datasets import Dataset, load_dataset
+from fedring.training.models import build_model
+
+GROUP = "fedring.tasks"
+
+
+class TaskError(ValueError):
+    """A task that cannot be found, loaded, or does not match the manifest's."""
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+    version: str
+
+    def dataset(self, seed: int) -> Dataset:
+        """Train and test tensors (`x_train`, `y_train`, `x_test`, `y_test`)."""
+        ...
+
+    def model(self, dataset: Dataset, seed: int) -> nn.Module:
+        """A fresh model; the coordinator's initial parameters overwrite its init."""
+        ...
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
+
+    def evaluate(self, model: nn.Module, dataset: Dataset) -> tuple[float, float]:
+        """Held-out loss and metric (higher is better, e.g. accuracy or -MSE)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ClassificationTask:
+    """A built-in dataset and model spec, cross-entropy loss, accuracy."""
+
+    data_spec: str = "digits"
+    model_spec: str = "mlp"
+    version: str = "1"
+
+    @property
+    def name(self) -> str:
+        return f"builtin:{self.data_spec}:{self.model_spec}"
+
+    def dataset(self, seed: int) -> Dataset:
+        return load_dataset(self.data_spec, seed)
+
+    def model(self, dataset: Dataset, seed: int) -> nn.Module:
+        return build_model(self.model_spec, dataset.feature_shape, dataset.num_classes, seed)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output, target)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, dataset: Dataset) -> tuple[float, float]:
+        return evaluate_batches(model, dataset.x_test, dataset.y_test, self.loss, _correct)
+
+
+def _correct(out: torch.Tensor, y: torch.Tensor) -> float:
+    return float((out.argmax(dim=1) == y).sum())
+
+
+@torch.no_grad()
+def evaluate_batches(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: Any, score: Any, batch: int = 2048
+) -> tuple[float, float]:
+    """Mean loss and mean per-sample `score` of `model` on (x, y), in eval mode."""
+    model.eval()
+    total, scored = 0.0, 0.0
+    for i in range(0, len(x), batch):
+        out, yb = model(x[i : i + batch]), y[i : i + batch]
+        total += float(loss(out, yb)) * len(yb)
+        scored += score(out, yb)
+    return total / len(x), scored / len(x)
+
+
+@dataclass(frozen=True)
+class TaskId:
+    """What the manifest says of the task: every agent compares its own."""
+
+    name: str
+    version: str
+    sha256: str  # of the task's source module
+
+    def to_dict(self) -> dict[str, str]:
+        return {"name": self.name, "version": self.version, "sha256": self.sha256}
+
+
+def task_id(task: Task) -> TaskId:
+    module = inspect.getmodule(type(task))
+    source = inspect.getsource(module) if module is not None else type(task).__qualname__
+    return TaskId(task.name, task.version, hashlib.sha256(source.encode()).hexdigest())
+
+
+def check_task(task: Task, want: dict[str, Any]) -> None:
+    """Refuse a task whose name, version or source differs from the manifest's."""
+    got = task_id(task)
+    for key, mine in got.to_dict().items():
+        if want.get(key) != mine:
+            raise TaskError(
+                f"task {got.name!r}: manifest {key} {str(want.get(key))[:16]!r} != this "
+                f"agent's {mine[:16]!r}; install the same task version as the coordinator"
+            )
+
+
+def load_task(ref: str, allowed_modules: Iterable[str] = ()) -> Task:
+    """A task by entry-point name, or ``MODULE:ATTR`` when `MODULE` is allowed."""
+    if ":" in ref:
+        module_name, _, attr = ref.partition(":")
+        if module_name not in set(allowed_modules):
+            raise TaskError(
+                f"task {ref!r}: module {module_name!r} is not allowed on this agent "
+                "(install it as a package with a 'fedring.tasks' entry point, or allow it)"
+            )
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise TaskError(f"task {ref!r} cannot be loaded: {exc}") from None
+    else:
+        found = [ep for ep in entry_points(group=GROUP) if ep.name == ref]
+        if not found:
+            known = sorted(ep.name for ep in entry_points(group=GROUP))
+            raise TaskError(f"task {ref!r} is not installed; entry points in {GROUP!r}: {known}")
+        factory = found[0].load()
+    task = factory() if callable(factory) and not isinstance(factory, Task) else factory
+    if not isinstance(task, Task):
+        raise TaskError(f"task {ref!r}: {type(task).__name__} lacks the Task members")
+    return task
