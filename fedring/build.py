@@ -18,10 +18,12 @@ from torch import nn
 from fedring.aggregation.rules import Aggregation
 from fedring.config import JobSpec
 from fedring.engine.group import Group
-from fedring.engine.lr import LinearScaling
 from fedring.engine.loop import LoopSettings, Member
+from fedring.engine.lr import LinearScaling
 from fedring.engine.optimizer import DistributedOptimizer, SyncSettings
 from fedring.engine.overlap import Yielder
+from fedring.engine.plan import Plan
+from fedring.engine.plan import plan as plan_task
 from fedring.engine.reducer import Collective, Reducer, ReducerSettings
 from fedring.engine.sampler import ShardSampler
 from fedring.engine.state import TrainerState
@@ -35,6 +37,15 @@ def task_of(spec: JobSpec, data_dir: Any = None) -> Task:
     if data.startswith("npz:") and data_dir is not None:
         data = f"npz:{data_dir / data[4:]}"
     return ClassificationTask(data, spec.model)
+
+
+def plan(spec: JobSpec) -> Plan:
+    """The coordinator's part for the job: shards, manifest, initial model."""
+    weighted = Aggregation.parse(spec.aggregation).kind == "weighted"
+    return plan_task(
+        task_of(spec), agents=spec.agents, sharding=spec.sharding, seed=spec.seed,
+        weight_cap=spec.weight_cap if weighted else None,
+    )  # fmt: skip
 
 
 def reducer_settings(spec: JobSpec) -> ReducerSettings:
@@ -74,6 +85,15 @@ def loop_settings(spec: JobSpec) -> LoopSettings:
     )  # fmt: skip
 
 
+def scaling(spec: JobSpec, inner: torch.optim.Optimizer) -> LinearScaling:
+    """Linear scaling with warm-up, applied only where updates are averaged (sync)."""
+    averaged = Aggregation.parse(spec.aggregation).averaged and spec.sync == "sync"
+    return LinearScaling(
+        inner, world=spec.agents, batch_size=spec.batch_size, ref_batch=spec.ref_batch,
+        warmup_steps=spec.warmup_steps, scaling=spec.lr_scaling, averaged=averaged,
+    )  # fmt: skip
+
+
 def member(
     spec: JobSpec, task: Task, dataset: Dataset, model: nn.Module, x: torch.Tensor,
     y: torch.Tensor, collective: Collective | Group, *, rank: int, weight: float,
@@ -90,11 +110,6 @@ def member(
     reducer = Reducer(collective, numel, reducer_settings(spec))
     opt = DistributedOptimizer(inner, reducer, sync_settings(spec), model=model, weight=weight,
                                yielder=yielder)  # fmt: skip
-    averaged = Aggregation.parse(spec.aggregation).averaged and spec.sync == "sync"
-    scaling = LinearScaling(
-        inner, world=spec.agents, batch_size=spec.batch_size, ref_batch=spec.ref_batch,
-        warmup_steps=spec.warmup_steps, scaling=spec.lr_scaling, averaged=averaged,
-    )  # fmt: skip
     sampler = ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=rank)
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,5 +118,6 @@ def member(
 
     return Member(
         TrainerState(model, opt, sampler), next_batch, task.loss,
-        lambda m: task.evaluate(m, dataset), scaling, on_round, before_round, start_round,
+        lambda m: task.evaluate(m, dataset), scaling(spec, inner), on_round, before_round,
+        start_round,
     )  # fmt: skip

@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
+from fedring.build import plan
 from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
 from fedring.coordinator import outputs
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.coordinator.membership import Fleet
 from fedring.counters import Counters
-from fedring.sim.runner import plan
 from fedring.training.models import flat_sha256
 from fedring.transport import topics
 from fedring.transport.base import Deadline, TransportError
@@ -138,7 +138,8 @@ class Coordinator:
         return Checkpoint(
             job=job, key=os.urandom(32), spec=spec.resolved(),
             shards={a: i for i, a in enumerate(chosen)}, model_sha256=p.model_sha256,
-            shard_manifest=p.manifest.to_dict(), epoch=0, round=0, params=None,
+            shard_manifest=p.manifest.to_dict(), epoch=0, round=0,
+            params=p.initial if spec.init == "sent" else None,  # sent, not re-derived
         )  # fmt: skip
 
     def _resume(self) -> Checkpoint:

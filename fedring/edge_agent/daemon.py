@@ -229,7 +229,7 @@ class AgentDaemon:
 
         def upload(r: int) -> None:
             """Send the parameters at the start of round r for the checkpoint."""
-            params = worker.trainer.params
+            params = worker.params
             doc = {"round": r, "sha256": flat_sha256(params), "epoch": seg.epoch}
             self._send(seg.job, "model", doc, flat_bytes(params), round=r)
             uploaded[0] = r
@@ -240,7 +240,7 @@ class AgentDaemon:
             if self.me == seg.head or "accuracy" in row:
                 metrics = {k: v for k, v in row.items() if isinstance(v, int | float | str)}
                 if "accuracy" in row:
-                    metrics["sha256"] = flat_sha256(worker.trainer.params)
+                    metrics["sha256"] = flat_sha256(worker.params)
                 metrics["epoch"] = seg.epoch
                 [frame] = self.codec.encode("metrics", seg.job, topics.COORDINATOR, metrics)
                 link.publish(topics.metrics(seg.job, self.me), frame, Deadline.after(SEND_S))

@@ -26,18 +26,25 @@ from typing import Any
 
 import torch
 
+from fedring import build
 from fedring.collective.channel import CollectiveError, PeerChannel
-from fedring.collective.torus import build_ring
 from fedring.config import JobSpec
 from fedring.counters import Counters
+from fedring.engine.group import Group
+from fedring.engine.loop import Member, run
+from fedring.engine.plan import ModelMismatch, prepare
+from fedring.engine.task import Task
 from fedring.firmware_profiles.apply import check_budget, dataset_bytes, estimate_memory
 from fedring.firmware_profiles.schema import Profile
-from fedring.training.datasets import load_dataset
-from fedring.training.exchange import Exchange
-from fedring.training.models import build_model, flat_sha256, param_count, params_sha256
+from fedring.training.datasets import Dataset
+from fedring.training.models import (
+    flat_params,
+    flat_sha256,
+    param_count,
+    params_sha256,
+    set_flat_params,
+)
 from fedring.training.sharding import ShardManifest, make_shards, shard_data, verify_shard
-from fedring.training.sync import AgentContext, run_agent
-from fedring.training.trainer import LocalTrainer
 from fedring.transport.base import Endpoint
 from fedring.wire.frame import FrameLimits
 
@@ -71,18 +78,6 @@ class Segment:
         return f"{self.job}.e{self.epoch}"
 
 
-@dataclass
-class _State:
-    params: torch.Tensor
-    velocity: torch.Tensor
-    residual: torch.Tensor | None
-    rng: torch.Tensor
-    order: torch.Tensor
-    pos: int
-    samples: int
-    pending: torch.Tensor | None = None  # update_delay: last round's gradient, not yet reduced
-
-
 class JobWorker:
     """The agent's state for one job, kept across segments."""
 
@@ -91,52 +86,45 @@ class JobWorker:
         model_sha256: str, data_dir: Path | None = None, budget: Profile | None = None,
     ) -> None:  # fmt: skip
         self.me, self.job, self.spec, self.shard = me, job, spec, shard
-        dataset_spec = spec.dataset
-        if dataset_spec.startswith("npz:") and data_dir is not None:
-            dataset_spec = f"npz:{data_dir / dataset_spec[4:]}"
-        dataset = load_dataset(dataset_spec, spec.seed)
+        self.task = build.task_of(spec, data_dir)
+        dataset = self.task.dataset(spec.seed)
         shards_manifest = ShardManifest.from_dict(manifest)
         if shards_manifest.n_agents != spec.agents:
             raise JobRefused(f"manifest has {shards_manifest.n_agents} shards, job {spec.agents}")
         index = make_shards(dataset.y_train.numpy(), spec.agents, spec.sharding, spec.seed)[shard]
-        x, y = shard_data(dataset, index)
-        verify_shard(shards_manifest, shard, x, y)
-        model = build_model(spec.model, dataset.feature_shape, dataset.num_classes, spec.seed)
-        if params_sha256(model) != model_sha256:
-            raise JobRefused(
-                f"initial model sha256 {params_sha256(model)[:12]}... != manifest "
-                f"{model_sha256[:12]}...: different torch or model code than the coordinator"
-            )
+        if spec.init == "derived":
+            try:
+                model, x, y = prepare(
+                    self.task, dataset, shards_manifest, index, shard, seed=spec.seed,
+                    model_sha256=model_sha256, initial=None,
+                )  # fmt: skip
+            except ModelMismatch as exc:
+                raise JobRefused(str(exc)) from None
+        else:
+            model, x, y = _shard_and_model(self.task, dataset, shards_manifest, index, shard,
+                                           spec.seed)  # fmt: skip
         if budget is not None:  # refuse before training, with the estimate and the budget
             data = dataset_bytes(dataset)
             check_budget(budget, estimate_memory(spec, model, dataset.feature_shape, data))
-        self.trainer = LocalTrainer(
-            model, x, y, batch_size=spec.batch_size, momentum=spec.momentum, seed=spec.seed,
-            rank=shard,
-        )  # fmt: skip
-        self.x_test, self.y_test = dataset.x_test, dataset.y_test
+        self.model, self.x, self.y, self.dataset = model, x, y, dataset
         self.numel = param_count(model)
-        self.exchange: Exchange | None = None
-        self.states: OrderedDict[int, _State] = OrderedDict()
+        self._param_names = [name for name, _ in model.named_parameters()]
+        self.member: Member | None = None
+        self.states: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.committed = 0  # rounds completed in the current state
-        self.step_s = probe_step(model, x, y, self.trainer.batch_size)
-        self._keep(0)
+        self.step_s = probe_step(model, x, y, min(spec.batch_size, len(x)))
+        # A derived start is held now; a sent one arrives as the round-0 "model".
+        self.initial = flat_params(model) if spec.init == "derived" else None
 
     # -- state ------------------------------------------------------------------
 
-    def _residual(self) -> torch.Tensor | None:
-        ex = self.exchange
-        return ex.ef.residual if ex is not None and ex.ef is not None else None
+    @property
+    def params(self) -> torch.Tensor:
+        return flat_params(self.model)
 
     def _keep(self, r: int) -> None:
-        t = self.trainer
-        res = self._residual()
-        pending = self.exchange.pending if self.exchange is not None else None
-        self.states[r] = _State(
-            t.params, t.velocity.clone(), None if res is None else res.clone(),
-            t._gen.get_state(), t._order.clone(), t._pos, t.samples_seen,
-            None if pending is None else pending.clone(),
-        )  # fmt: skip
+        assert self.member is not None
+        self.states[r] = self.member.state.snapshot()
         self.states.move_to_end(r)
         # The coordinator may restart the ring from either of the two newest
         # checkpoint rounds (the newer one's upload may not be saved yet): keep both.
@@ -147,39 +135,36 @@ class JobWorker:
             del self.states[oldest]
 
     def state_sha256(self, r: int) -> str | None:
+        if r == 0 and not self.states and self.initial is not None:
+            return flat_sha256(self.initial)
         st = self.states.get(r)
-        return None if st is None else flat_sha256(st.params)
+        if st is None:
+            return None
+        return flat_sha256(torch.cat([st["model"][n].reshape(-1) for n in self._param_names]))
 
     def restore(self, r: int) -> bool:
         """Return to the state at the start of round `r`, if still held."""
+        if r == 0 and not self.states and self.initial is not None:
+            self.committed = 0
+            return True  # the derived start, untouched
         st = self.states.get(r)
-        if st is None:
+        if st is None or self.member is None:
             return False
-        t = self.trainer
-        t.set_params(st.params)
-        t.velocity.copy_(st.velocity)
-        res = self._residual()
-        if res is not None:
-            if st.residual is not None:
-                res.copy_(st.residual)
-            else:
-                res.zero_()
-        t._gen.set_state(st.rng)
-        t._order, t._pos, t.samples_seen = st.order.clone(), st.pos, st.samples
-        if self.exchange is not None:
-            self.exchange.pending = None if st.pending is None else st.pending.clone()
+        self.member.state.restore(st)
         self.committed = r
         return True
 
     def load(self, r: int, params: torch.Tensor) -> None:
-        """Take the checkpoint's parameters for round `r` (velocity kept at zero)."""
-        self.trainer.set_params(params)
-        self.trainer.velocity.zero_()
-        if self.exchange is not None:
-            self.exchange.pending = None  # the checkpoint holds parameters only
-        self.states.clear()
+        """Take the coordinator's parameters for round `r` (the initial model, or a
+        checkpoint's): optimizer state and any delayed gradient start afresh."""
+        if self.member is None:
+            set_flat_params(self.model, params)
+            self.initial = params.clone()
+        else:
+            self.member.state.load_params(params)
+            self.states.clear()
+            self._keep(r)
         self.committed = r
-        self._keep(r)
 
     # -- running ----------------------------------------------------------------
 
@@ -198,13 +183,21 @@ class JobWorker:
         limits = FrameLimits(max_frame_bytes=seg.max_frame_bytes) if seg.max_frame_bytes else None
         channel = PeerChannel(endpoint, seg.channel_job, key=key, counters=counters,
                               limits=limits)  # fmt: skip
-        ring = build_ring(channel, tuple(seg.members), spec.topology, spec.timeout_s)
-        if self.exchange is None:
-            self.exchange = Exchange.build(ring, spec, self.numel)
-            if self.committed == 0 and self.exchange.ef is not None:
-                self._keep(0)  # the round-0 state now includes the (zero) residual
+        group = Group(channel, tuple(seg.members), spec.topology, spec.timeout_s)
+        if self.member is None:
+            self.member = build.member(
+                spec, self.task, self.dataset, self.model, self.x, self.y, group,
+                rank=self.shard, weight=1.0 / len(seg.members),
+            )  # fmt: skip
+            self._keep(self.committed)
         else:
-            self.exchange.ring, self.exchange.spec = ring, spec
+            opt = self.member.state.optimizer
+            opt.reducer.collective = group.collective
+            opt.weight = 1.0 / len(seg.members)
+            # the new ring size changes the scaled rate: rebuild it, keep the halvings
+            factor = self.member.scaling.factor
+            self.member.scaling = build.scaling(spec, opt.optimizer)
+            self.member.scaling.factor = factor
 
         def before(r: int) -> None:
             if gate is not None:
@@ -217,19 +210,26 @@ class JobWorker:
             self.committed = r + 1
             on_round(r, row)
 
-        ctx = AgentContext(
-            spec, self.trainer, self.exchange, self.x_test, self.y_test,
-            1.0 / len(seg.members), after, before, seg.start_round,
-        )  # fmt: skip
-        result = run_agent(ctx)
+        m = self.member
+        m.on_round, m.before_round, m.start_round = after, before, seg.start_round
+        result = run(m, build.loop_settings(spec))
         last = result.evals[-1] if result.evals else {}
         return {
             "rounds": self.committed,
             "accuracy": last.get("accuracy", 0.0),
             "test_loss": last.get("test_loss", 0.0),
-            "sha256": params_sha256(self.trainer.model),
+            "sha256": params_sha256(self.model),
             "rollbacks": result.rollbacks,
         }
+
+
+def _shard_and_model(
+    task: Task, dataset: Dataset, manifest: ShardManifest, index: Any, shard: int, seed: int
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The shard verified, the model built to be overwritten by the sent start."""
+    x, y = shard_data(dataset, index)
+    verify_shard(manifest, shard, x, y)
+    return task.model(dataset, seed), x, y
 
 
 def probe_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int,

@@ -74,6 +74,6 @@ def local_group(
     names = tuple(f"agent-{i}" for i in range(n))
     return [
         Group.on(hub.connect(name), names, job=job, key=LOCAL_KEY, topology=topology,
-                 timeout_s=timeout_s, counters=counters)  # fmt: skip
+                 timeout_s=timeout_s, counters=counters)
         for name in names
     ]

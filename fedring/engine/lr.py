@@ -38,7 +38,7 @@ class LinearScaling:
             LrSchedule(
                 base_lr=float(g["lr"]), scaling=scaling, n_agents=world, batch_size=batch_size,
                 ref_batch=ref_batch, warmup_steps=warmup_steps, averaged=averaged,
-            )  # fmt: skip
+            )
             for g in optimizer.param_groups
         ]
         self.factor = 1.0

@@ -132,9 +132,9 @@ class DistributedOptimizer:
             if self.settings.bucket_kb and self.settings.mode == "sync"
             else None
         )
-        if self.overlap is not None or self.settings.update_delay:
-            if self.rule.kind not in ("mean", "weighted"):
-                raise ValueError(f"overlap needs aggregation mean or weighted, not {self.rule.kind}")
+        overlapped = self.overlap is not None or self.settings.update_delay
+        if overlapped and self.rule.kind not in ("mean", "weighted"):
+            raise ValueError(f"overlap needs aggregation mean or weighted, not {self.rule.kind}")
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

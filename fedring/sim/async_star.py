@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from fedring.aggregation.rules import Aggregation, median, trimmed_mean
 from fedring.collective.channel import PeerChannel
@@ -30,8 +31,11 @@ from fedring.compression.payload import PayloadLimits
 from fedring.compression.quantize import DenseCodec
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
-from fedring.training.exchange import compress_update
-from fedring.training.models import param_count, params_sha256
+from fedring.engine.group import LOCAL_KEY
+from fedring.engine.plan import Plan
+from fedring.engine.reducer import compress_update
+from fedring.engine.sampler import ShardSampler
+from fedring.training.models import flat_params, param_count, params_sha256, set_flat_params
 from fedring.transport.base import Deadline
 from fedring.transport.inproc import InprocTransport
 
@@ -58,14 +62,14 @@ def simulate_async(
     on_round: Callable[[int, dict[str, Any]], None] | None,
     on_done: Callable[[torch.nn.Module, Any], None] | None = None,
 ) -> dict[str, Any]:
-    from fedring.sim.runner import JOB_KEY, prepare_agent
+    from fedring.sim.runner import prepare_model
 
     start = time.perf_counter()
-    trainers = [prepare_agent(p, r) for r in range(spec.agents)]
+    trainers = [_Agent(spec, p, *prepare_model(spec, p, r), rank=r) for r in range(spec.agents)]
     hub, counters = InprocTransport(), Counters()
-    centre = PeerChannel(hub.connect(CENTRE), "sim", key=JOB_KEY, counters=counters)
+    centre = PeerChannel(hub.connect(CENTRE), "sim", key=LOCAL_KEY, counters=counters)
     agents = [
-        PeerChannel(hub.connect(f"agent-{i}"), "sim", key=JOB_KEY, counters=counters)
+        PeerChannel(hub.connect(f"agent-{i}"), "sim", key=LOCAL_KEY, counters=counters)
         for i in range(spec.agents)
     ]
     numel = param_count(trainers[0].model)
@@ -88,12 +92,7 @@ def simulate_async(
         now, rank = heapq.heappop(events)
         trainer = trainers[rank]
         anchor = trainer.params
-        trainer.velocity.zero_()
-        losses = []
-        for _ in range(spec.local_steps):
-            loss, g = trainer.gradient()
-            trainer.step(g, spec.lr)
-            losses.append(loss)
+        losses = trainer.local_steps(spec.local_steps, spec.lr)
         deadline = Deadline.after(spec.timeout_s)
         agents[rank].send(
             CENTRE,
@@ -132,7 +131,7 @@ def simulate_async(
                 trainers[0].set_params(
                     model
                 )  # agent 0's model is refreshed on its next pull anyway
-                test_loss, acc = trainers[0].evaluate(p.dataset.x_test, p.dataset.y_test)
+                test_loss, acc = p.task.evaluate(trainers[0].model, p.dataset)
                 evals.append(
                     {"round": version, "test_loss": test_loss, "accuracy": acc, "sim_time": now}
                 )
@@ -179,3 +178,36 @@ def simulate_async(
         "model_sha256_initial": p.model_sha256,
         "counters": counters.snapshot(),
     }
+
+
+class _Agent:
+    """One asynchronous agent: its model, momentum SGD and seeded batches. Its local
+    steps start afresh from each model it pulls (no momentum carried over)."""
+
+    def __init__(self, spec: JobSpec, p: Plan, model: nn.Module, x: torch.Tensor,
+                 y: torch.Tensor, *, rank: int) -> None:  # fmt: skip
+        self.model, self.x, self.y, self.loss = model, x, y, p.task.loss
+        self.opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum)
+        self.sampler = ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=rank)
+
+    @property
+    def params(self) -> torch.Tensor:
+        return flat_params(self.model)
+
+    def set_params(self, flat: torch.Tensor) -> None:
+        set_flat_params(self.model, flat)
+
+    def local_steps(self, steps: int, lr: float) -> list[float]:
+        self.opt.state.clear()
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        losses = []
+        self.model.train()
+        for _ in range(steps):
+            idx = torch.tensor(self.sampler.next_batch())
+            self.opt.zero_grad()
+            loss = self.loss(self.model(self.x[idx]), self.y[idx])
+            loss.backward()
+            self.opt.step()
+            losses.append(float(loss.detach()))
+        return losses

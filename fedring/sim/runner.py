@@ -13,13 +13,13 @@ import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fedring import build
 from fedring.aggregation.rules import Aggregation
+from fedring.build import plan
 from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
@@ -27,7 +27,6 @@ from fedring.counters import Counters
 from fedring.engine.group import LOCAL_KEY, local_group
 from fedring.engine.loop import LoopResult, run
 from fedring.engine.plan import Plan, prepare
-from fedring.engine.plan import plan as plan_task
 from fedring.engine.reducer import STAR
 from fedring.sim.star import serve_star
 from fedring.training.datasets import Dataset
@@ -35,15 +34,6 @@ from fedring.training.models import param_count, params_sha256
 from fedring.transport.inproc import InprocTransport
 
 TIMES = ("compute_s", "comm_s", "step_s")  # a sync round's seconds, in every row
-
-
-def plan(spec: JobSpec) -> Plan:
-    """The coordinator's part: shards, manifest, initial model."""
-    weighted = Aggregation.parse(spec.aggregation).kind == "weighted"
-    return plan_task(
-        build.task_of(spec), agents=spec.agents, sharding=spec.sharding, seed=spec.seed,
-        weight_cap=spec.weight_cap if weighted else None,
-    )  # fmt: skip
 
 
 def prepare_model(spec: JobSpec, p: Plan, rank: int) -> tuple[Any, Any, Any]:
@@ -78,7 +68,7 @@ def simulate(
     members = [
         build.member(spec, p.task, p.dataset, *prepared[r], groups[r], rank=r,
                      weight=p.weights[r], yielder=baton,
-                     on_round=on_round if r == 0 else None)  # fmt: skip
+                     on_round=on_round if r == 0 else None)
         for r in range(spec.agents)
     ]
     loop = build.loop_settings(spec)
