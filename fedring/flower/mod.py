@@ -128,10 +128,17 @@ def make_group_topk_mod(
         trained = reply.content.array_records[key]
         mismatch = _mismatch(sent_global, trained)
         if mismatch:
-            return _refusal(msg, mismatch)
+            return _refusal(msg, f"its arrays differ from the global model it answers ({mismatch})")
         ef = ErrorFeedback(before.numel())
         if _STATE in context.state.array_records:
-            ef.residual.copy_(torch.from_numpy(context.state.array_records[_STATE]["r"].numpy()))
+            residual = context.state.array_records[_STATE]["r"].numpy()
+            if residual.size != before.numel():
+                return _refusal(
+                    msg,
+                    f"the global model has {before.numel()} compressed entries, the residual "
+                    f"kept from an earlier round {residual.size}: its float arrays changed",
+                )
+            ef.residual.copy_(torch.from_numpy(residual))
         sent = topk.compress(ef.compensate(flatten(trained, keys) - before))
         ef.update(sent)
         context.state[_STATE] = ArrayRecord({"r": Array(ef.residual.numpy())})
@@ -167,11 +174,11 @@ def _mismatch(sent: ArrayRecord, reply: ArrayRecord) -> str:
     return f"missing {missing}, extra {extra}, reshaped {reshaped}"
 
 
-def _refusal(msg: Message, mismatch: str) -> Message:
+def _refusal(msg: Message, why: str) -> Message:
     reason = (
-        f"{REFUSED} the train reply: its arrays differ from the global model it answers "
-        f"({mismatch}). Reply with the ArrayRecord the ServerApp sent, trained "
-        "(same names and shapes), and wrap the ServerApp's strategy in CompressedUplinks."
+        f"{REFUSED} the train reply: {why}. Reply with the ArrayRecord the ServerApp sent, "
+        "trained (same names and shapes), and wrap the ServerApp's strategy in "
+        "CompressedUplinks (it keeps the global model's arrays and dtypes as sent)."
     )
     return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason), reply_to=msg)
 
