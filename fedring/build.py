@@ -29,6 +29,7 @@ from fedring.engine.sampler import ShardSampler
 from fedring.engine.state import TrainerState
 from fedring.engine.task import ClassificationTask, Task
 from fedring.training.datasets import Dataset
+from fedring.training.lr import LrSchedule
 
 
 def task_of(spec: JobSpec, data_dir: Any = None) -> Task:
@@ -82,6 +83,17 @@ def loop_settings(spec: JobSpec) -> LoopSettings:
         rounds=spec.rounds, eval_every=spec.eval_every, target=spec.target_accuracy,
         adaptive=spec.sync == "adaptive",
         stop_at_target=Aggregation.parse(spec.aggregation).kind != "hybrid",
+    )  # fmt: skip
+
+
+def lr_schedule(spec: JobSpec) -> LrSchedule:
+    """The job's learning rate per round (for runners that step by hand)."""
+    agg = Aggregation.parse(spec.aggregation)
+    return LrSchedule(
+        base_lr=spec.lr, scaling=spec.lr_scaling, n_agents=spec.agents,
+        batch_size=spec.batch_size, ref_batch=spec.ref_batch, warmup_steps=spec.warmup_steps,
+        # Goyal et al.'s rule is for averaged gradients of one large batch: sync mode.
+        averaged=agg.averaged and spec.sync == "sync",
     )  # fmt: skip
 
 

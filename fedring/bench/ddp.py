@@ -4,12 +4,12 @@ What it is: the textbook data-parallel run that fedring's dense sync ring reprod
 over MQTT, so time-to-accuracy on the same links compares the transports alone. Each
 rank holds fedring's iid shard ``make_shards(y_train, N, "iid", seed)[rank]``, the
 same initial model (`build_model(model, ..., seed)`) and fedring's batch order
-(`LocalTrainer.next_batch`, seeded by ``(seed, rank)``). DDP averages the gradients
+(`ShardSampler`, seeded by ``(seed, rank)``). DDP averages the gradients
 with gloo's ring all-reduce (dense fp32), then ``torch.optim.SGD(momentum=0.9)``
-steps, which is exactly `LocalTrainer.step` (v <- m v + g; p <- p - lr v).
+steps, which is exactly what fedring's runners wrap (v <- m v + g; p <- p - lr v).
 
 Configuration: the learning rate is fedring's dense sync schedule, taken from
-`schedule_for(JobSpec(agents=N, compression="none"))`: base 0.025 per 32-sample
+`build.lr_schedule(JobSpec(agents=N, compression="none"))`: base 0.025 per 32-sample
 batch, scaled linearly by N, reached after a 50-step warm-up. Batch 32 per rank.
 Every `eval_every` steps rank 0 evaluates on the test set, appends
 ``{"round", "t", "accuracy", "test_loss"}`` to ``OUT/metrics.jsonl`` and broadcasts
@@ -47,12 +47,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fedring.bench.launch import BaselineError, Host, Launch, agent_nodes, stop_all
 from fedring.bench.sessions import free_port
+from fedring.build import lr_schedule
 from fedring.config import JobSpec
+from fedring.engine.sampler import ShardSampler
+from fedring.engine.task import ClassificationTask
 from fedring.training.datasets import Dataset, load_dataset
 from fedring.training.models import build_model, param_count
 from fedring.training.sharding import make_shards, shard_data
-from fedring.training.sync import schedule_for
-from fedring.training.trainer import LocalTrainer
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,9 +101,9 @@ def worker(args: argparse.Namespace) -> None:
     shard = make_shards(ds.y_train.numpy(), args.world, spec.sharding, spec.seed)[args.rank]
     x, y = shard_data(ds, shard)
     model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
-    # The trainer supplies fedring's batch order and evaluation; DDP and SGD do the steps.
-    trainer = LocalTrainer(model, x, y, batch_size=spec.batch_size, momentum=spec.momentum,
-                           seed=spec.seed, rank=args.rank)  # fmt: skip
+    # fedring's batch order and evaluation; DDP and SGD do the steps.
+    sampler = ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=args.rank)
+    trainer = _Shard(model, x, y, sampler)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank,
                             world_size=args.world,
                             timeout=timedelta(seconds=args.connect_timeout))  # fmt: skip
@@ -125,9 +126,23 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _train(args: argparse.Namespace, spec: JobSpec, trainer: LocalTrainer, ds: Dataset) -> Outcome:
+@dataclass
+class _Shard:
+    """This rank's model, shard and seeded batches."""
+
+    model: torch.nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    sampler: ShardSampler
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(self.sampler.next_batch())
+        return self.x[idx], self.y[idx]
+
+
+def _train(args: argparse.Namespace, spec: JobSpec, trainer: _Shard, ds: Dataset) -> Outcome:
     """DDP steps with fedring's lr schedule until the target (all ranks agree) or `rounds`."""
-    sched = schedule_for(spec)
+    sched = lr_schedule(spec)
     ddp = DistributedDataParallel(trainer.model)
     opt = torch.optim.SGD(ddp.parameters(), lr=sched.lr_at(0), momentum=spec.momentum)
     metrics = args.out / "metrics.jsonl"
@@ -146,7 +161,7 @@ def _train(args: argparse.Namespace, spec: JobSpec, trainer: LocalTrainer, ds: D
         if step % args.eval_every and step != args.rounds:
             continue
         if args.rank == 0:
-            test_loss, outcome.accuracy = trainer.evaluate(ds.x_test, ds.y_test)
+            test_loss, outcome.accuracy = ClassificationTask().evaluate(trainer.model, ds)
             t = time.perf_counter() - start
             row = {"round": step, "t": t, "accuracy": outcome.accuracy, "test_loss": test_loss}
             with metrics.open("a") as f:
@@ -162,7 +177,7 @@ def _train(args: argparse.Namespace, spec: JobSpec, trainer: LocalTrainer, ds: D
 
 
 def _write_summary(args: argparse.Namespace, spec: JobSpec, o: Outcome, params: int) -> None:
-    sched = schedule_for(spec)
+    sched = lr_schedule(spec)
     summary = {"baseline": "ddp-gloo", "world": args.world, "dataset": spec.dataset,
                "model": spec.model, "final_accuracy": o.accuracy, "rounds": o.steps,
                "target": args.target, "seconds_to_target": o.seconds_to_target,

@@ -37,16 +37,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
+from fedring.engine.local import LocalWork
+from fedring.engine.sampler import ShardSampler
+from fedring.engine.task import ClassificationTask
 from fedring.flower.metering import MeteredGrid
 from fedring.training.datasets import Dataset, load_dataset
 from fedring.training.models import build_model, param_count
 from fedring.training.sharding import make_shards, shard_data
-from fedring.training.trainer import LocalTrainer
 
 DEFAULTS: dict[str, Any] = {"clients": 2, "dataset": "digits", "model": "mlp", "seed": 0,
                             "rounds": 50, "target": 0.95, "lr": 0.1, "momentum": 0.9,
@@ -78,19 +81,19 @@ def local_train(
 ) -> tuple[float, int]:
     """`local-epochs` passes over shard `pid` of `n`; returns (mean loss, shard size).
 
-    The batch order is `LocalTrainer`'s, seeded by (seed + round, pid), so it changes
+    The batch order is `ShardSampler`'s, seeded by (seed + round, pid), so it changes
     from round to round; momentum starts from zero every round.
     """
     ds = dataset(cfg["dataset"], cfg["seed"])
     x, y = shard_data(ds, make_shards(ds.y_train.numpy(), n, "iid", cfg["seed"])[pid])
-    trainer = LocalTrainer(net, x, y, batch_size=cfg["batch-size"], momentum=cfg["momentum"],
-                           seed=cfg["seed"] + server_round, rank=pid)  # fmt: skip
-    steps = cfg["local-epochs"] * max(1, len(x) // trainer.batch_size)
-    losses = []
-    for _ in range(steps):
-        loss, g = trainer.gradient()
-        trainer.step(g, cfg["lr"])
-        losses.append(loss)
+    work = LocalWork(
+        net, x, y, F.cross_entropy,
+        ShardSampler(len(x), batch_size=cfg["batch-size"], seed=cfg["seed"] + server_round,
+                     rank=pid),
+        torch.optim.SGD(net.parameters(), lr=cfg["lr"], momentum=cfg["momentum"]),
+    )  # fmt: skip
+    steps = cfg["local-epochs"] * max(1, len(x) // work.sampler.batch_size)
+    losses = work.steps(steps, cfg["lr"])
     return sum(losses) / len(losses), len(x)
 
 
@@ -139,9 +142,7 @@ class Evaluator:
         t = 0.0 if self.start is None else time.perf_counter() - self.start
         self.net.load_state_dict(arrays.to_torch_state_dict())
         ds = dataset(self.cfg["dataset"], self.cfg["seed"])
-        evaluator = LocalTrainer(self.net, ds.x_test, ds.y_test, batch_size=1, momentum=0.0,
-                                 seed=0, rank=0)  # fmt: skip
-        loss, acc = evaluator.evaluate(ds.x_test, ds.y_test)
+        loss, acc = ClassificationTask().evaluate(self.net, ds)
         row = {"round": server_round, "t": t, "accuracy": acc, "test_loss": loss}
         self.rows.append(row)
         with (self.out / "metrics.jsonl").open("a") as f:

@@ -8,7 +8,7 @@ velocity, error-feedback residual, batch order) at the start of the last few
 rounds, so when it holds that round it continues exactly as if nothing had
 happened; otherwise it loads the checkpoint's parameters, checked by sha256.
 
-The rounds themselves are `training.sync.run_agent`, the same code as
+The rounds themselves are the engine's loop (`engine.loop.run`), the same code as
 `fedring simulate`, over a `PeerChannel` on the MQTT endpoint.
 """
 

@@ -4,7 +4,8 @@
     for step in ...:
         scaling.apply(step)     # every group: its own lr x the scaled, warmed-up factor
 
-Each parameter group keeps its own base rate (the ``lr`` it had when wrapped) and
+Each parameter group keeps its own base rate (its ``initial_lr``, set from the ``lr``
+it had when first wrapped, as torch's own schedulers do) and
 follows `training.lr.LrSchedule` from it (tuning guide there): ramp from the base
 rate to base x N·b/b_ref over `warmup_steps` (Goyal et al. 2017), the square root
 of that factor with ``scaling="sqrt"`` (the safer choice for Adam), or no change
@@ -36,9 +37,10 @@ class LinearScaling:
         self.optimizer = optimizer
         self.schedules = [
             LrSchedule(
-                base_lr=float(g["lr"]), scaling=scaling, n_agents=world, batch_size=batch_size,
-                ref_batch=ref_batch, warmup_steps=warmup_steps, averaged=averaged,
-            )
+                base_lr=float(g.setdefault("initial_lr", g["lr"])), scaling=scaling,
+                n_agents=world, batch_size=batch_size, ref_batch=ref_batch,
+                warmup_steps=warmup_steps, averaged=averaged,
+            )  # fmt: skip
             for g in optimizer.param_groups
         ]
         self.factor = 1.0

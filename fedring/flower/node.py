@@ -16,20 +16,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
 import torch
+from torch import nn
 
+from fedring import build
 from fedring.aggregation.rules import Aggregation, capped_weights
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import Payload
 from fedring.compression.quantize import SignQuantizer
 from fedring.config import JobSpec
-from fedring.training.datasets import Dataset, load_dataset
-from fedring.training.exchange import compress_update
-from fedring.training.models import build_model, flat_sha256, params_sha256
-from fedring.training.sharding import ShardManifest, make_shards, shard_data, verify_shard
-from fedring.training.trainer import LocalTrainer
+from fedring.engine.local import LocalWork
+from fedring.engine.plan import Plan, prepare
+from fedring.engine.reducer import compress_update
+from fedring.engine.sampler import ShardSampler
+from fedring.training.models import flat_params, flat_sha256
+from fedring.training.sharding import ShardManifest, shard_data
 
 
 class OutOfSync(ValueError):
@@ -42,10 +44,10 @@ class NodeState:
     params: torch.Tensor  # the global model as this node holds it (flat float32)
     residual: torch.Tensor  # error feedback (zeros when off)
     velocity: torch.Tensor  # the relayed ring's dense sync momentum (zeros otherwise)
-    rng: torch.Tensor  # the batch sampler's generator state (uint8)
-    order: torch.Tensor  # the current epoch's permutation (int64)
-    pos: int
-    samples_seen: int
+    rng: torch.Tensor  # the batch sampler's state (`ShardSampler.state_dict`): generator,
+    order: torch.Tensor  # the current epoch's permutation (int64),
+    pos: int  # the position in it,
+    samples_seen: int  # and the samples served
     # `hybrid:L`: this node's own model, lambda * global move + (1 - lambda) * its own
     # move each round (Deng et al.'s adaptive personalisation, fixed or scheduled L),
     # and its own move of the last round, mixed in once the global move arrives.
@@ -54,56 +56,63 @@ class NodeState:
 
 
 @lru_cache(maxsize=4)
-def _data(dataset: str, seed: int, agents: int, sharding: str) -> tuple[Dataset, list[np.ndarray]]:
-    ds = load_dataset(dataset, seed)
-    return ds, make_shards(ds.y_train.numpy(), agents, sharding, seed)
+def _plan(spec: JobSpec) -> Plan:
+    return build.plan(spec)
 
 
-def _trainer(spec: JobSpec, rank: int) -> LocalTrainer:
-    ds, shards = _data(spec.dataset, spec.seed, spec.agents, spec.sharding)
-    x, y = shard_data(ds, shards[rank])
-    model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
+def _work(spec: JobSpec, rank: int) -> LocalWork:
+    p = _plan(spec)
+    model, x, y = _shard_and_model(spec, p, rank)
     momentum = 0.0 if spec.compressed_sync else spec.momentum
-    return LocalTrainer(
-        model, x, y, batch_size=spec.batch_size, momentum=momentum, seed=spec.seed, rank=rank
-    )
-
-
-def enrol(spec: JobSpec, rank: int, manifest: ShardManifest, model_sha256: str) -> NodeState:
-    """Verify this node's shard and initial model against the ServerApp's plan."""
-    if not 0 <= rank < spec.agents:
-        raise ValueError(f"node_config 'partition-id'={rank} not in [0, {spec.agents})")
-    trainer = _trainer(spec, rank)
-    verify_shard(manifest, rank, trainer.x, trainer.y)
-    got = params_sha256(trainer.model)
-    if got != model_sha256:
-        raise ValueError(
-            f"node {rank}: initial model sha256 {got[:12]}... != ServerApp's "
-            f"{model_sha256[:12]}...; refusing to train from a different start"
-        )
-    zeros = torch.zeros_like(trainer.params)
-    state = _save(trainer, rank, zeros, zeros.clone())
-    if Aggregation.parse(spec.aggregation).kind == "hybrid":
-        state.personal, state.own = trainer.params.clone(), zeros.clone()
-    return state
-
-
-def _save(
-    trainer: LocalTrainer, rank: int, residual: torch.Tensor, velocity: torch.Tensor
-) -> NodeState:
-    return NodeState(
-        rank, trainer.params, residual, velocity, trainer._gen.get_state(),
-        trainer._order.clone(), trainer._pos, trainer.samples_seen,
+    return LocalWork(
+        model, x, y, p.task.loss,
+        ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=rank),
+        torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=momentum),
     )  # fmt: skip
 
 
-def _restore(spec: JobSpec, state: NodeState) -> LocalTrainer:
-    trainer = _trainer(spec, state.rank)
-    trainer.set_params(state.params)
-    trainer._gen.set_state(state.rng)
-    trainer._order, trainer._pos = state.order, state.pos
-    trainer.samples_seen = state.samples_seen
-    return trainer
+def _shard_and_model(
+    spec: JobSpec, p: Plan, rank: int
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """This node's shard and a model to be overwritten by the ServerApp's parameters."""
+    x, y = shard_data(p.dataset, p.shards[rank])
+    return p.task.model(p.dataset, spec.seed), x, y
+
+
+def enrol(spec: JobSpec, rank: int, manifest: ShardManifest, model_sha256: str) -> NodeState:
+    """Verify this node's shard and initial model against the ServerApp's plan: the
+    start is the plan's parameters, checked by sha256 (or, with ``init = "derived"``,
+    this node's own seeded build, refused if it differs)."""
+    if not 0 <= rank < spec.agents:
+        raise ValueError(f"node_config 'partition-id'={rank} not in [0, {spec.agents})")
+    p = _plan(spec)
+    model, _, _ = prepare(
+        p.task, p.dataset, manifest, p.shards[rank], rank, seed=spec.seed,
+        model_sha256=model_sha256, initial=p.initial if spec.init == "sent" else None,
+    )  # fmt: skip
+    work = _work(spec, rank)
+    work.set_params(flat_params(model))
+    zeros = torch.zeros_like(work.params)
+    state = _save(work, rank, zeros, zeros.clone())
+    if Aggregation.parse(spec.aggregation).kind == "hybrid":
+        state.personal, state.own = work.params.clone(), zeros.clone()
+    return state
+
+
+def _save(work: LocalWork, rank: int, residual: torch.Tensor, velocity: torch.Tensor) -> NodeState:
+    sampler = work.sampler.state_dict()
+    return NodeState(
+        rank, work.params, residual, velocity, sampler["rng"], sampler["order"],
+        sampler["pos"], sampler["samples_seen"],
+    )  # fmt: skip
+
+
+def _restore(spec: JobSpec, state: NodeState) -> LocalWork:
+    work = _work(spec, state.rank)
+    work.set_params(state.params)
+    work.sampler.load_state_dict({"rng": state.rng, "order": state.order, "pos": state.pos,
+                                  "samples_seen": state.samples_seen})  # fmt: skip
+    return work
 
 
 @dataclass
@@ -150,22 +159,17 @@ def train_round(
     """One round from the held global model (`hybrid`: from this node's own model);
     returns the new state and the update (times `scale`: the relayed ring sums, so each
     node sends its weighted share)."""
-    trainer = _restore(spec, state)
+    work = _restore(spec, state)
     if state.personal is not None:
-        trainer.set_params(state.personal)
-    before = trainer.samples_seen
-    anchor = trainer.params.clone()
+        work.set_params(state.personal)
+    before = work.sampler.samples_seen
+    anchor = work.params.clone()
     if spec.sync == "sync":
-        loss, vec = trainer.gradient()
+        loss, vec = work.gradient()
     else:
-        losses = []
-        trainer.velocity.zero_()
-        for _ in range(spec.local_steps):
-            step_loss, g = trainer.gradient()
-            trainer.step(g, lr)
-            losses.append(step_loss)
-        loss, vec = sum(losses) / len(losses), trainer.params - anchor
-        trainer.set_params(anchor)  # the global model moves only by what all nodes agree on
+        losses = work.steps(spec.local_steps, lr)
+        loss, vec = sum(losses) / len(losses), work.params - anchor
+        work.set_params(anchor)  # the global model moves only by what all nodes agree on
     if scale != 1.0:
         vec = vec * scale
     ef = None
@@ -181,12 +185,12 @@ def train_round(
     else:
         payload, error = compress_update(vec, _compressor(spec), ef)
     residual = ef.residual if ef is not None else state.residual
-    new = _save(trainer, state.rank, residual, state.velocity)
+    new = _save(work, state.rank, residual, state.velocity)
     if state.personal is not None:  # the held model stays the global one
         new.params, new.personal = state.params, anchor
         own = vec * -lr if spec.sync == "sync" else vec
         new.own = own / scale if scale != 1.0 else own
-    return new, RoundResult(payload, loss, trainer.samples_seen - before, error)
+    return new, RoundResult(payload, loss, work.sampler.samples_seen - before, error)
 
 
 def ring_weight(spec: JobSpec, sizes: list[int], members: list[int], rank: int) -> float:
@@ -213,8 +217,7 @@ def apply_sum(spec: JobSpec, state: NodeState, total: torch.Tensor, kept: torch.
 
 def evaluate(spec: JobSpec, state: NodeState) -> tuple[float, float]:
     """Loss and accuracy of the held model (`hybrid`: this node's own) on the test set."""
-    ds, _ = _data(spec.dataset, spec.seed, spec.agents, spec.sharding)
-    trainer = _restore(spec, state)
-    if state.personal is not None:
-        trainer.set_params(state.personal)
-    return trainer.evaluate(ds.x_test, ds.y_test)
+    p = _plan(spec)
+    work = _work(spec, state.rank)
+    work.set_params(state.personal if state.personal is not None else state.params)
+    return p.task.evaluate(work.model, p.dataset)

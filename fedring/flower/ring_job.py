@@ -21,9 +21,9 @@ from typing import Any
 from flwr.app import ConfigRecord
 from flwr.serverapp import Grid
 
+from fedring.build import lr_schedule
 from fedring.flower.job import FlowerJob
 from fedring.flower.ring_relay import RingBroken, relay
-from fedring.training.sync import schedule_for
 
 
 @dataclass
@@ -39,7 +39,7 @@ class RoundsOutcome:
 
 def ring_rounds(grid: Grid, job: FlowerJob, ranks: dict[int, int], numel: int) -> RoundsOutcome:
     spec = job.spec
-    schedule = schedule_for(spec)
+    schedule = lr_schedule(spec)
     order = sorted(ranks.items(), key=lambda pair: pair[1])  # (node, rank) in ring order
     dropped: set[int] = set()
     out = RoundsOutcome()

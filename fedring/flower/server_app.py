@@ -24,15 +24,16 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from fedring.build import plan
 from fedring.compression.payload import Payload
 from fedring.config import JobSpec, SpecError
+from fedring.engine.plan import Plan
 from fedring.flower import carrier
 from fedring.flower.client_app import SERVER, node_name
 from fedring.flower.job import FlowerJob, spec_to_config
 from fedring.flower.metering import MeteredGrid
 from fedring.flower.ring_job import RoundsOutcome, ring_rounds
 from fedring.flower.star import GlobalModel
-from fedring.sim.runner import Plan, plan
 
 Summary = dict[str, Any]
 

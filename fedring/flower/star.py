@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
+from fedring import build
 from fedring.aggregation.rules import (
     Aggregation,
     capped_weights,
@@ -29,12 +30,10 @@ from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import Payload
 from fedring.compression.quantize import DenseCodec
+from fedring.engine.plan import Plan
+from fedring.engine.reducer import compress_update
 from fedring.flower.job import FlowerJob
-from fedring.sim.runner import Plan
-from fedring.training.exchange import compress_update
-from fedring.training.models import build_model, flat_sha256, set_flat_params
-from fedring.training.sync import schedule_for
-from fedring.training.trainer import LocalTrainer
+from fedring.training.models import flat_sha256, set_flat_params
 
 
 def combine(agg: Aggregation, updates: Mapping[int, torch.Tensor], sizes: Mapping[int, int],
@@ -61,14 +60,10 @@ class GlobalModel:
         spec = job.spec
         self.spec, self.plan = spec, plan
         self.agg = Aggregation.parse(spec.aggregation)
-        ds = plan.dataset
-        model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
-        self.evaluator = LocalTrainer(
-            model, ds.x_test, ds.y_test, batch_size=1, momentum=0.0, seed=0, rank=0
-        )
-        self.params = self.evaluator.params
+        self.model = plan.task.model(plan.dataset, spec.seed)
+        self.params = plan.initial.clone()  # what every node starts from
         self.velocity = torch.zeros_like(self.params)
-        self.schedule = schedule_for(spec)
+        self.schedule = build.lr_schedule(spec)
         self.server_momentum = job.server_momentum
         self.down_topk: GroupTopK | None = None
         self.down_ef: ErrorFeedback | None = None
@@ -110,5 +105,5 @@ class GlobalModel:
         return DenseCodec("fp32").compress(self.params)
 
     def evaluate(self) -> tuple[float, float]:
-        set_flat_params(self.evaluator.model, self.params)
-        return self.evaluator.evaluate(self.plan.dataset.x_test, self.plan.dataset.y_test)
+        set_flat_params(self.model, self.params)
+        return self.plan.task.evaluate(self.model, self.plan.dataset)

@@ -32,10 +32,11 @@ from fedring.compression.quantize import DenseCodec
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
 from fedring.engine.group import LOCAL_KEY
+from fedring.engine.local import LocalWork
 from fedring.engine.plan import Plan
 from fedring.engine.reducer import compress_update
 from fedring.engine.sampler import ShardSampler
-from fedring.training.models import flat_params, param_count, params_sha256, set_flat_params
+from fedring.training.models import param_count, params_sha256
 from fedring.transport.base import Deadline
 from fedring.transport.inproc import InprocTransport
 
@@ -65,7 +66,7 @@ def simulate_async(
     from fedring.sim.runner import prepare_model
 
     start = time.perf_counter()
-    trainers = [_Agent(spec, p, *prepare_model(spec, p, r), rank=r) for r in range(spec.agents)]
+    trainers = [_agent(spec, p, *prepare_model(spec, p, r), r) for r in range(spec.agents)]
     hub, counters = InprocTransport(), Counters()
     centre = PeerChannel(hub.connect(CENTRE), "sim", key=LOCAL_KEY, counters=counters)
     agents = [
@@ -92,7 +93,7 @@ def simulate_async(
         now, rank = heapq.heappop(events)
         trainer = trainers[rank]
         anchor = trainer.params
-        losses = trainer.local_steps(spec.local_steps, spec.lr)
+        losses = trainer.steps(spec.local_steps, spec.lr)
         deadline = Deadline.after(spec.timeout_s)
         agents[rank].send(
             CENTRE,
@@ -180,34 +181,11 @@ def simulate_async(
     }
 
 
-class _Agent:
-    """One asynchronous agent: its model, momentum SGD and seeded batches. Its local
-    steps start afresh from each model it pulls (no momentum carried over)."""
-
-    def __init__(self, spec: JobSpec, p: Plan, model: nn.Module, x: torch.Tensor,
-                 y: torch.Tensor, *, rank: int) -> None:  # fmt: skip
-        self.model, self.x, self.y, self.loss = model, x, y, p.task.loss
-        self.opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum)
-        self.sampler = ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=rank)
-
-    @property
-    def params(self) -> torch.Tensor:
-        return flat_params(self.model)
-
-    def set_params(self, flat: torch.Tensor) -> None:
-        set_flat_params(self.model, flat)
-
-    def local_steps(self, steps: int, lr: float) -> list[float]:
-        self.opt.state.clear()
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        losses = []
-        self.model.train()
-        for _ in range(steps):
-            idx = torch.tensor(self.sampler.next_batch())
-            self.opt.zero_grad()
-            loss = self.loss(self.model(self.x[idx]), self.y[idx])
-            loss.backward()
-            self.opt.step()
-            losses.append(float(loss.detach()))
-        return losses
+def _agent(spec: JobSpec, p: Plan, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+           rank: int) -> LocalWork:  # fmt: skip
+    """One asynchronous agent: its model, momentum SGD and seeded batches."""
+    return LocalWork(
+        model, x, y, p.task.loss,
+        ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=rank),
+        torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum),
+    )  # fmt: skip

@@ -8,9 +8,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from fedring.build import plan
 from fedring.cli import app
 from fedring.config import JobSpec, SpecError
-from fedring.sim.runner import ModelMismatch, plan, prepare_agent, simulate
+from fedring.engine.plan import ModelMismatch
+from fedring.sim.runner import prepare_model, simulate
+from fedring.training.models import flat_params, flat_sha256
 from fedring.training.sharding import ShardError
 
 QUICK = {"rounds": 100, "eval_every": 25}
@@ -66,16 +69,35 @@ def test_every_mode_and_aggregation_learns(changes: dict) -> None:
 def test_a_corrupted_shard_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     p = plan(JobSpec(agents=2, rounds=1))
     p.dataset.x_train[p.shards[1][0]] += 1.0  # one sample of agent 1 changed after the manifest
-    prepare_agent(p, 0)
+    spec = JobSpec(agents=2, rounds=1)
+    prepare_model(spec, p, 0)
     with pytest.raises(ShardError, match="shard 1: sha256"):
-        prepare_agent(p, 1)
+        prepare_model(spec, p, 1)
 
 
-def test_a_different_initial_model_is_refused() -> None:
-    p = plan(JobSpec(agents=2, rounds=1))
-    p.model_sha256 = "0" * 64
-    with pytest.raises(ModelMismatch, match="agent 0: initial model sha256"):
-        prepare_agent(p, 0)
+def test_a_corrupted_initial_model_is_refused() -> None:
+    spec = JobSpec(agents=2, rounds=1)
+    p = plan(spec)
+    p.initial[0] += 1.0  # the parameters sent no longer match the manifest's hash
+    with pytest.raises(ModelMismatch, match="member 0: initial parameters received hash"):
+        prepare_model(spec, p, 0)
+
+
+def test_a_derived_initial_model_that_differs_is_refused() -> None:
+    spec = JobSpec(agents=2, rounds=1, init="derived")
+    p = plan(spec)
+    p.model_sha256 = "0" * 64  # as if this board's torch drew other initial values
+    with pytest.raises(ModelMismatch, match="member 0: initial model sha256"):
+        prepare_model(spec, p, 0)
+
+
+def test_members_start_from_the_sent_parameters_not_their_own_init() -> None:
+    spec = JobSpec(agents=2, rounds=1)
+    p = plan(spec)
+    p.initial.mul_(0.5)  # a start no local build would derive
+    p.model_sha256 = flat_sha256(p.initial)
+    model, _, _ = prepare_model(spec, p, 1)
+    assert torch.equal(flat_params(model), p.initial)
 
 
 def test_median_needs_a_star() -> None:

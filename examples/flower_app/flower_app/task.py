@@ -10,12 +10,15 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from fedring.engine.local import LocalWork
+from fedring.engine.sampler import ShardSampler
+from fedring.engine.task import ClassificationTask
 from fedring.training.datasets import Dataset, load_dataset
 from fedring.training.models import build_model
 from fedring.training.sharding import make_shards, shard_data
-from fedring.training.trainer import LocalTrainer
 
 SEED = 0
 
@@ -38,17 +41,12 @@ def partition(pid: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(net: nn.Module, pid: int, n: int, steps: int, lr: float, server_round: int) -> float:
     """`steps` momentum-SGD steps on partition `pid`; returns the mean loss."""
     x, y = partition(pid, n)
-    trainer = LocalTrainer(net, x, y, batch_size=32, momentum=0.9, seed=server_round, rank=pid)
-    losses = []
-    for _ in range(steps):
-        loss, g = trainer.gradient()
-        trainer.step(g, lr)
-        losses.append(loss)
+    sampler = ShardSampler(len(x), batch_size=32, seed=server_round, rank=pid)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    losses = LocalWork(net, x, y, F.cross_entropy, sampler, opt).steps(steps, lr)
     return sum(losses) / len(losses)
 
 
 def evaluate(net: nn.Module) -> tuple[float, float]:
     """Loss and accuracy on the held-out digits."""
-    ds = _digits()
-    trainer = LocalTrainer(net, ds.x_test, ds.y_test, batch_size=1, momentum=0.0, seed=0, rank=0)
-    return trainer.evaluate(ds.x_test, ds.y_test)
+    return ClassificationTask("digits", "mlp").evaluate(net, _digits())
