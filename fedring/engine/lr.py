@@ -40,7 +40,7 @@ class LinearScaling:
                 base_lr=float(g.setdefault("initial_lr", g["lr"])), scaling=scaling,
                 n_agents=world, batch_size=batch_size, ref_batch=ref_batch,
                 warmup_steps=warmup_steps, averaged=averaged,
-            )  # fmt: skip
+            )
             for g in optimizer.param_groups
         ]
         self.factor = 1.0

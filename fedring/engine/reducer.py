@@ -151,7 +151,8 @@ class Reducer:
             return self.collective.allreduce_dense(scaled, round=round)
         sent = self.compress(scaled, round)
         total, kept = self.collective.allreduce_sparse(
-            sent, policy=self.settings.policy, round=round
+            sent,  # type: ignore[arg-type]  # group-top-k gives SparseGroups
+            policy=self.settings.policy, round=round,
         )
         if self.ef is not None:
             self.ef.keep(kept)
@@ -173,7 +174,8 @@ class Reducer:
         ef = self.ef.part(*span) if self.ef is not None else None
         sent, missed, norm = _compress_measured(scaled, self.topk, ef, self._k(round))
         total, kept = self.collective.allreduce_sparse(
-            sent, policy=self.settings.policy, round=round, bucket=bucket
+            sent,  # type: ignore[arg-type]  # group-top-k gives SparseGroups
+            policy=self.settings.policy, round=round, bucket=bucket,
         )
         if ef is not None:
             ef.keep(kept)

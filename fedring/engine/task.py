@@ -41,8 +41,11 @@ class TaskError(ValueError):
 
 @runtime_checkable
 class Task(Protocol):
-    name: str
-    version: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
 
     def dataset(self, seed: int) -> Dataset:
         """Train and test tensors (`x_train`, `y_train`, `x_test`, `y_test`)."""

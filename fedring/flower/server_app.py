@@ -53,14 +53,16 @@ def wait_for_nodes(grid: Grid, n: int, timeout_s: float) -> list[int]:
         time.sleep(0.5)
 
 
-def enrol(grid: Grid, p: Plan, nodes: list[int], timeout_s: float) -> dict[int, int]:
+def enrol(
+    grid: Grid, spec: JobSpec, p: Plan, nodes: list[int], timeout_s: float
+) -> dict[int, int]:
     """Send every node the job and the plan; return node id -> rank of those that agree."""
     m = p.manifest
     plan_cfg = ConfigRecord({
         "dataset": m.dataset, "scheme": m.scheme, "seed": m.seed, "n_agents": m.n_agents,
         "sizes": list(m.sizes), "digests": list(m.digests), "model_sha256": p.model_sha256,
     })  # fmt: skip
-    content = RecordDict({"job": ConfigRecord(spec_to_config(p.spec)), "plan": plan_cfg})
+    content = RecordDict({"job": ConfigRecord(spec_to_config(spec)), "plan": plan_cfg})
     msgs = [Message(content, dst_node_id=n, message_type=f"{MessageType.QUERY}.enrol")
             for n in nodes]  # fmt: skip
     ranks: dict[int, int] = {}
@@ -75,8 +77,8 @@ def enrol(grid: Grid, p: Plan, nodes: list[int], timeout_s: float) -> dict[int, 
             problems.append(f"node {node}: partition-id {rank} is taken by another node")
             continue
         ranks[node] = rank
-    if len(ranks) < p.spec.agents:
-        raise RunFailed(f"{len(ranks)} of {p.spec.agents} nodes enrolled: " + "; ".join(problems))
+    if len(ranks) < spec.agents:
+        raise RunFailed(f"{len(ranks)} of {spec.agents} nodes enrolled: " + "; ".join(problems))
     return ranks
 
 
@@ -104,7 +106,7 @@ def run_job(grid: Grid, job: FlowerJob) -> Summary:
     p = plan(spec)
     model = GlobalModel(job, p)
     nodes = wait_for_nodes(metered, spec.agents, job.round_timeout_s)
-    ranks = enrol(metered, p, nodes, job.round_timeout_s)
+    ranks = enrol(metered, job.spec, p, nodes, job.round_timeout_s)
     enrol_bytes = metered.totals()
     if spec.topology == "ring":
         out = ring_rounds(metered, job, ranks, model.numel)

@@ -47,7 +47,7 @@ def test_rules_on_hand_written_updates() -> None:
 
 def test_enrol_refuses_another_start_or_partition() -> None:
     p = plan(SPEC)
-    with pytest.raises(ValueError, match="initial model sha256"):
+    with pytest.raises(ValueError, match="initial parameters received hash"):
         enrol(SPEC, 0, p.manifest, "0" * 64)
     with pytest.raises(ValueError, match="'partition-id'=2"):
         enrol(SPEC, 2, p.manifest, p.model_sha256)
