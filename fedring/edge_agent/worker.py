@@ -168,6 +168,24 @@ class JobWorker:
 
     # -- running ----------------------------------------------------------------
 
+    def bind(self, group: Group) -> None:
+        """Train with `group` from now on: build this agent's member on first use, or
+        move the kept one onto the re-formed ring (its size changes weights and rate)."""
+        spec = self.spec.replace(agents=group.world)
+        if self.member is None:
+            self.member = build.member(
+                spec, self.task, self.dataset, self.model, self.x, self.y, group,
+                rank=self.shard, weight=1.0 / group.world,
+            )  # fmt: skip
+            self._keep(self.committed)
+            return
+        opt = self.member.state.optimizer
+        opt.reducer.collective = group.collective
+        opt.weight = 1.0 / group.world
+        factor = self.member.scaling.factor  # keep the monitor's halvings
+        self.member.scaling = build.scaling(spec, opt.optimizer)
+        self.member.scaling.factor = factor
+
     def run(
         self,
         seg: Segment,
@@ -183,21 +201,7 @@ class JobWorker:
         limits = FrameLimits(max_frame_bytes=seg.max_frame_bytes) if seg.max_frame_bytes else None
         channel = PeerChannel(endpoint, seg.channel_job, key=key, counters=counters,
                               limits=limits)  # fmt: skip
-        group = Group(channel, tuple(seg.members), spec.topology, spec.timeout_s)
-        if self.member is None:
-            self.member = build.member(
-                spec, self.task, self.dataset, self.model, self.x, self.y, group,
-                rank=self.shard, weight=1.0 / len(seg.members),
-            )  # fmt: skip
-            self._keep(self.committed)
-        else:
-            opt = self.member.state.optimizer
-            opt.reducer.collective = group.collective
-            opt.weight = 1.0 / len(seg.members)
-            # the new ring size changes the scaled rate: rebuild it, keep the halvings
-            factor = self.member.scaling.factor
-            self.member.scaling = build.scaling(spec, opt.optimizer)
-            self.member.scaling.factor = factor
+        self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s))
 
         def before(r: int) -> None:
             if gate is not None:

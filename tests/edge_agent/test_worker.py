@@ -6,23 +6,29 @@ import threading
 
 import pytest
 
+from fedring.build import plan
 from fedring.collective import CollectiveTimeout
 from fedring.config import JobSpec
 from fedring.edge_agent.daemon import _Running
 from fedring.edge_agent.worker import KEEP_SNAPSHOTS, JobWorker, Segment
-from fedring.sim.runner import plan
+from fedring.engine.group import Group
+from fedring.training.models import set_flat_params
+from fedring.transport.inproc import InprocTransport
 
 
 def _worker(every: int) -> JobWorker:
     spec = JobSpec(agents=2, rounds=20, checkpoint_every=every)
     p = plan(spec)
-    return JobWorker("a0", "job-1", spec, 0, p.manifest.to_dict(), p.model_sha256)
+    w = JobWorker("a0", "job-1", spec, 0, p.manifest.to_dict(), p.model_sha256)
+    solo = Group.on(InprocTransport().connect("a0"), ("a0",), job="job-1", key=None)
+    w.bind(solo)  # the member whose states are kept
+    return w
 
 
 def test_the_two_newest_checkpoint_rounds_outlive_the_recent_snapshots() -> None:
     w = _worker(every=5)
     for r in range(1, 13):
-        w.trainer.set_params(w.trainer.params + 1.0)  # a different state every round
+        set_flat_params(w.model, w.params + 1.0)  # a different state every round
         w._keep(r)
     assert 10 in w.states and len(w.states) == KEEP_SNAPSHOTS
     assert set(w.states) == {5, 10, 11, 12}
@@ -62,7 +68,6 @@ def test_the_head_waits_only_for_the_last_checkpoint_round() -> None:
 def test_the_ring_frame_size_from_the_manifest_is_used() -> None:
     """A board that takes at most 8 KiB frames gets a dense 69 KB model in parts."""
     from fedring.counters import Counters
-    from fedring.transport.inproc import InprocTransport
 
     spec = JobSpec(agents=2, rounds=2, compression="none", eval_every=2)
     p = plan(spec)
