@@ -241,8 +241,9 @@ def simulate_cmd(
     cli_only = ("config", "out", "as_json", "fleet", "with_dense")
     flags = {k: v for k, v in given.items() if k not in cli_only}
     from fedring.config import JobSpec
+    from fedring.report import write_report_for
     from fedring.sim import fleet as fleet_clock
-    from fedring.sim.report import BASELINE_KEYS, dense_twin, write_outputs, write_report_for
+    from fedring.sim.report import BASELINE_KEYS, dense_twin, write_outputs
     from fedring.sim.runner import simulate
 
     try:

@@ -20,13 +20,12 @@ from typing import Any
 import torch
 
 from fedring.bench.timing import best_ms
+from fedring.collective.payloads import decode_payload, encode_payload
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import PayloadLimits
-from fedring.compression.registry import decode_payload
 from fedring.compression.sparse import n_groups
 from fedring.compression.values import BYTES_PER_VALUE, ValueDtype, torch_dtype
-from fedring.wire.arrays import pack_arrays
 from fedring.wire.chunks import Reassembler, split_payload
 from fedring.wire.frame import Frame, FrameLimits, decode_frame, encode_frame
 
@@ -54,9 +53,7 @@ def sampled_threshold(
 
 
 def encode_wire(payload: Any, limits: FrameLimits) -> list[bytes]:
-    meta, arrays = payload.to_wire()
-    spec, body = pack_arrays(arrays)
-    meta["arrays"] = spec
+    meta, body = encode_payload(payload)
     template = Frame(kind="chunk", job="bench", src="a", dst="b", seq=0, meta=meta)
     return [encode_frame(f, _KEY) for f in split_payload(template, body, 0, limits)]
 

@@ -19,8 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fedring.collective.payloads import decode_payload, encode_payload
 from fedring.compression.payload import Payload, PayloadLimits
-from fedring.compression.registry import decode_payload
 from fedring.counters import Counters
 from fedring.transport.base import (
     Deadline,
@@ -29,7 +29,6 @@ from fedring.transport.base import (
     PeerUnreachable,
     TransportTimeout,
 )
-from fedring.wire.arrays import pack_arrays
 from fedring.wire.chunks import Reassembler, SeenWindow, split_payload
 from fedring.wire.errors import FrameError, FrameReason
 from fedring.wire.frame import Frame, FrameLimits, decode_frame, encode_frame
@@ -92,9 +91,7 @@ class PeerChannel:
         self, dst: str, payload: Payload, *, round: int, step: int, phase: str, deadline: Deadline
     ) -> None:
         """Send `payload` to `dst` as one or more signed frames."""
-        meta, arrays = payload.to_wire()
-        spec, body = pack_arrays(arrays)
-        meta["arrays"] = spec
+        meta, body = encode_payload(payload)
         template = Frame(
             kind="chunk", job=self.job, src=self.name, dst=dst, seq=0,
             round=round, step=step, phase=phase, meta=meta,

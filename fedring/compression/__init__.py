@@ -1,13 +1,21 @@
 """Compression: group-top-k, quantizers, error feedback, delta encoding, codecs.
 
-Nothing here knows the network; payloads describe themselves and `registry`
-decodes them from a frame's meta and body.
+Nothing here knows the network or frames; payloads describe themselves (meta and
+named arrays), `registry` names their types by codec id, and a payload that does
+not add up raises `PayloadError`. `fedring.collective.payloads` puts them in frame
+bodies and takes them out.
 """
 
 from fedring.compression.delta import DeltaEncoder
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK, k_for
-from fedring.compression.payload import Compressor, Payload, PayloadLimits
+from fedring.compression.payload import (
+    Compressor,
+    Payload,
+    PayloadError,
+    PayloadLimits,
+    PayloadReason,
+)
 from fedring.compression.quantize import (
     DenseChunk,
     DenseCodec,
@@ -16,7 +24,7 @@ from fedring.compression.quantize import (
     SignBits,
     SignQuantizer,
 )
-from fedring.compression.registry import COMPRESSORS, PAYLOADS, decode_payload, make_compressor
+from fedring.compression.registry import COMPRESSORS, PAYLOADS, make_compressor, payload_type
 from fedring.compression.schedule import DensitySchedule
 from fedring.compression.sparse import GroupSparse, SparseGroups
 
@@ -34,11 +42,13 @@ __all__ = [
     "Int8Groups",
     "Int8Quantizer",
     "Payload",
+    "PayloadError",
     "PayloadLimits",
+    "PayloadReason",
     "SignBits",
     "SignQuantizer",
     "SparseGroups",
-    "decode_payload",
     "k_for",
     "make_compressor",
+    "payload_type",
 ]

@@ -16,11 +16,10 @@ agent reconstructs exactly the same parameters.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 import torch
-
-from fedring.wire.integrity import sha256
 
 
 class DeltaEncoder:
@@ -45,7 +44,7 @@ class DeltaEncoder:
 
     def digest(self) -> bytes:
         """sha256 of the reference's bytes: agents compare it to prove consensus."""
-        return sha256(self.reference.numpy().tobytes())
+        return hashlib.sha256(self.reference.numpy().tobytes()).digest()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"reference": self.reference.clone()}

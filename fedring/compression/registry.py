@@ -1,10 +1,11 @@
-"""Codecs by id: how a payload named in a frame's meta is decoded, and how a
-compressor named in a job is built.
+"""Codecs by id: which payload type a meta's ``codec`` names, and how a compressor
+named in a job is built.
 
 The table is checked when this module is imported: ids are unique, every payload
 type has the full `Payload` interface, and every compressor produces a payload
-type that is registered. A frame naming any other codec is refused with
-`FrameReason.UNKNOWN_CODEC`.
+type that is registered. A meta naming any other codec is refused with
+`PayloadReason.UNKNOWN_CODEC`. Bytes to arrays is the framing layer's step
+(`fedring.collective.payloads.decode_payload`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fedring.compression.group_topk import GroupTopK
-from fedring.compression.payload import Compressor, Payload, PayloadLimits
+from fedring.compression.payload import Compressor, PayloadError, PayloadReason
 from fedring.compression.quantize import (
     DenseChunk,
     DenseCodec,
@@ -23,8 +24,6 @@ from fedring.compression.quantize import (
     SignQuantizer,
 )
 from fedring.compression.sparse import GroupSparse, SparseGroups
-from fedring.wire.arrays import unpack_arrays
-from fedring.wire.errors import FrameError, FrameReason
 
 _PAYLOAD_TYPES: tuple[type[Any], ...] = (
     DenseChunk,
@@ -54,19 +53,13 @@ def make_compressor(name: str, **options: Any) -> Compressor:
     return COMPRESSORS[name](**options)
 
 
-def decode_payload(
-    meta: Mapping[str, Any], body: bytes | bytearray, limits: PayloadLimits
-) -> Payload:
-    """Validate a frame's `meta` and `body` and build the payload they describe."""
+def payload_type(meta: Mapping[str, Any]) -> type[Any]:
+    """The payload type whose `from_wire` builds what `meta` describes."""
     codec = meta.get("codec")
     cls = PAYLOADS.get(codec) if isinstance(codec, str) else None
     if cls is None:
-        raise FrameError(FrameReason.UNKNOWN_CODEC, f"codec {codec!r:.40}")
-    # k entries of the zero-padded last group may exceed numel by up to one group.
-    max_elements = limits.max_numel + limits.max_group_size
-    arrays = unpack_arrays(meta.get("arrays"), body, max_elements=max_elements)
-    payload: Payload = cls.from_wire(meta, arrays, limits)
-    return payload
+        raise PayloadError(PayloadReason.UNKNOWN_CODEC, f"codec {codec!r:.40}")
+    return cls
 
 
 def _check() -> None:

@@ -21,7 +21,9 @@ import torch
 
 from fedring.compression.payload import (
     Decoded,
+    PayloadError,
     PayloadLimits,
+    PayloadReason,
     WireArrays,
     array,
     finite,
@@ -37,7 +39,6 @@ from fedring.compression.values import (
     from_numpy,
     to_numpy,
 )
-from fedring.wire.errors import FrameError, FrameReason
 
 MAX_GROUP_SIZE = 65536
 
@@ -148,7 +149,7 @@ class SparseGroups:
         idx_wire, _ = index_dtype(g)
         _, idx = array(arrays, "idx", (idx_wire,), (n, k))
         if meta.get("vdtype", "sign") != "sign":
-            raise FrameError(FrameReason.BAD_DTYPE, f"vdtype {meta.get('vdtype')!r:.20}")
+            raise PayloadError(PayloadReason.BAD_DTYPE, f"vdtype {meta.get('vdtype')!r:.20}")
         sign = meta.get("vdtype") == "sign"
         if sign:
             _, bits = array(arrays, "val", ("u1",), (-(-(n * k) // 8),))
@@ -166,8 +167,8 @@ class SparseGroups:
         no_extra(arrays, names)
         indices = from_numpy(idx, idx_wire)
         if n and g < 65536 and int(idx.max()) >= g:
-            raise FrameError(
-                FrameReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}"
+            raise PayloadError(
+                PayloadReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}"
             )
         values = from_numpy(val, vdt)
         finite(values, "values")
@@ -246,15 +247,15 @@ class GroupSparse:
         g0, g1 = meta_range(meta, "groups", n_groups(numel, g))
         _, counts = array(arrays, "count", ("u1", "i4"), (g1 - g0,))
         if counts.size and (int(counts.min()) < 0 or int(counts.max()) > g):
-            raise FrameError(FrameReason.SHAPE_MISMATCH, f"a group count is outside [0, {g}]")
+            raise PayloadError(PayloadReason.SHAPE_MISMATCH, f"a group count is outside [0, {g}]")
         nnz = int(counts.sum(dtype=np.int64))
         idx_wire, _ = index_dtype(g)
         _, idx = array(arrays, "idx", (idx_wire,), (nnz,))
         _, val = array(arrays, "val", ("f4",), (nnz,))
         no_extra(arrays, {"count", "idx", "val"})
         if nnz and int(idx.max()) >= g:
-            raise FrameError(
-                FrameReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}"
+            raise PayloadError(
+                PayloadReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}"
             )
         values = torch.from_numpy(val)
         finite(values, "values")

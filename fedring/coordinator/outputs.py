@@ -5,7 +5,7 @@
   are still written;
 - ``metrics.jsonl``: the ring head's row of every round (after ``--resume``, from
   there on);
-- ``report.md`` and its plots (`coordinator.report`);
+- ``report.md`` and its plots (`fedring.report`);
 - ``summary.json``, written last and atomically.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 
 from fedring.config import JobSpec
 from fedring.counters import Counters
+from fedring.report import atomic_write, jsonl, write_report_for
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,6 @@ def write(
     out: Path, spec: JobSpec, summary: dict[str, Any], rows: Sequence[Mapping[str, Any]]
 ) -> dict[str, str]:
     """metrics.jsonl, report.md with its plots, then summary.json; their paths."""
-    from fedring.sim.report import atomic_write, jsonl, write_report_for
-
     metrics = out / "metrics.jsonl"
     atomic_write(metrics, jsonl(rows))
     command = f"fedring coordinator run (job {summary['job']})"

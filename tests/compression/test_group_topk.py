@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedring.compression import ErrorFeedback, GroupTopK, PayloadLimits, decode_payload, k_for
+from fedring.collective.payloads import decode_payload
+from fedring.compression import ErrorFeedback, GroupTopK, PayloadLimits, k_for
 from fedring.compression.sparse import n_groups
 from fedring.wire import pack_arrays
 from tests.strategies import flat_vectors, value_dtypes

@@ -8,13 +8,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fedring.collective.payloads import decode_payload
 from fedring.compression import (
     DenseCodec,
     Int8Quantizer,
     PayloadLimits,
     SignBits,
     SignQuantizer,
-    decode_payload,
     make_compressor,
 )
 from fedring.wire import pack_arrays

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from fedring.collective.channel import PeerChannel
-from fedring.compression import GroupTopK, PayloadLimits, decode_payload
+from fedring.collective.payloads import decode_payload
+from fedring.compression import GroupTopK, PayloadLimits
 from fedring.compression.payload import Payload
 from fedring.transport import Deadline, InprocTransport
 from fedring.wire.arrays import pack_arrays

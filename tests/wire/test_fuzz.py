@@ -36,6 +36,7 @@ import msgpack
 import pytest
 import torch
 
+from fedring.collective.payloads import decode_payload
 from fedring.compression import (
     DenseChunk,
     GroupSparse,
@@ -44,7 +45,6 @@ from fedring.compression import (
     PayloadLimits,
     SignBits,
     SignQuantizer,
-    decode_payload,
 )
 from fedring.compression.payload import Payload
 from fedring.wire.arrays import pack_arrays

@@ -1,17 +1,18 @@
-"""A run's report: ``report.md`` with PNG plots, dense beside compressed when both ran.
+"""The PNG plots of a run's report, several runs on the same axes.
 
-`write_report` takes the per-round rows of one or more runs (the rows of
-`fedring simulate`'s summary, or the coordinator's metrics) and writes:
+`plot_runs` takes the per-round rows of one or more runs (the rows of
+`fedring simulate`'s summary, or the coordinator's metrics) and draws:
 
 - ``curves_rounds.png``: training loss and test accuracy against rounds;
 - ``curves_sim_seconds.png``: the same against simulated seconds (rows with
   ``sim_seconds``, from ``--fleet``);
 - ``bytes_per_round.png``: bytes each agent sent per round (log scale);
-- ``compression.png``: compression error ``||g - sent|| / ||g||`` and gradient norm;
-- ``report.md``: a table of the runs' figures, then the plots.
+- ``compression.png``: compression error ``||g - sent|| / ||g||`` and gradient norm.
 
 A plot whose data no run has is left out. Figures are drawn with matplotlib's
 object API on the Agg canvas: no display, no pyplot global state, safe in threads.
+Importing this module loads matplotlib (over a second on a 2-core machine), so
+`fedring.report.markdown` imports it only when it draws.
 """
 
 from __future__ import annotations
@@ -117,71 +118,3 @@ def plot_runs(out: Path, runs: Mapping[str, Rows]) -> dict[str, Path]:
         plots["bytes_per_round"] = out / "bytes_per_round.png"
         _save(fig, out / "bytes_per_round.png")
     return {k: v for k, v in plots.items() if v is not None}
-
-
-CAPTIONS = {
-    "curves_rounds": "Training loss (log scale) and test accuracy against rounds.",
-    "curves_sim_seconds": "The same against simulated seconds on the fleet (virtual clock).",
-    "bytes_per_round": "Bytes each agent sent per round, frames included (log scale).",
-    "compression": "Compression error ||g - sent|| / ||g|| (0 for a dense ring) "
-    "and the local gradient norm.",
-}
-FACTS = (
-    ("final accuracy", "final_accuracy", "{:.4f}"),
-    ("rounds", "rounds", "{}"),
-    ("bytes sent per agent", "bytes_sent_per_agent", "{:,.0f}"),
-    ("dense fp32 ring would send", "dense_equivalent_bytes", "{:,.0f}"),
-    ("wall seconds (this machine)", "wall_seconds", "{:.1f}"),
-    ("fleet", "fleet", "{}"),
-    ("simulated seconds", "sim_seconds", "{:.1f}"),
-    ("simulated seconds to target", "sim_seconds_to_target", "{:.1f}"),
-    ("rounds to target", "sim_rounds_to_target", "{}"),
-)
-
-
-def write_report(
-    out: Path,
-    runs: Mapping[str, Rows],
-    *,
-    title: str = "fedring run",
-    summaries: Mapping[str, Mapping[str, Any]] | None = None,
-    notes: Sequence[str] = (),
-) -> dict[str, str]:
-    """Write ``report.md`` and its PNG plots under `out`; return their paths by name.
-
-    Parameters
-    ----------
-    out : Path
-        Folder (created when missing).
-    runs : mapping of run name to rows
-        Per-round rows with ``round`` and any of ``loss``, ``accuracy``,
-        ``bytes_sent`` (cumulative per agent), ``compression_error``, ``grad_norm``,
-        ``sim_seconds``. Several runs are drawn on the same axes.
-    summaries : mapping of run name to summary, optional
-        Figures for the table (`FACTS`); missing ones show as "-".
-    notes : lines added under the title (e.g. the ONNX export's result).
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    plots = plot_runs(out, runs)
-    lines = [f"# {title}", ""]
-    lines += [f"- {n}" for n in notes] + ([""] if notes else [])
-    if summaries:
-        names = list(summaries)
-        lines += ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        for label, key, fmt in FACTS:
-            cells = [_fmt(summaries[n].get(key), fmt) for n in names]
-            if any(c != "-" for c in cells):
-                lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        lines.append("")
-    for name, path in plots.items():
-        lines += [f"## {name.replace('_', ' ')}", "", CAPTIONS[name], "", f"![{name}]({path.name})",
-                  ""]  # fmt: skip
-    report = out / "report.md"
-    tmp = out / ".report.md.tmp"
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, report)
-    return {"report": str(report), **{k: str(v) for k, v in plots.items()}}
-
-
-def _fmt(value: Any, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 from typer.testing import CliRunner
 
 from fedring.cli import app
-from fedring.coordinator.report import write_report
+from fedring.report import write_report
 
 runner = CliRunner()
 
@@ -55,6 +57,12 @@ def test_plots_without_data_are_left_out(tmp_path: Path) -> None:
     paths = write_report(tmp_path, {"run": rows})
     assert set(paths) == {"report", "curves_rounds"}
     assert not (tmp_path / "curves_sim_seconds.png").exists()
+
+
+def test_importing_the_package_does_not_load_matplotlib() -> None:
+    # `simulate` without --out, and the coordinator until its last round, never draw.
+    code = "import sys, fedring.report; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_simulate_out_writes_report_plots_and_onnx_beside_dense(tmp_path: Path) -> None:
