@@ -22,6 +22,7 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check fedring tests bench examples
 	$(BIN)/mypy fedring
+	$(BIN)/lint-imports
 
 # The MQTT tests start a real Mosquitto on loopback; install it when we can.
 broker:
