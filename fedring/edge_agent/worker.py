@@ -168,7 +168,7 @@ class JobWorker:
 
     # -- running ----------------------------------------------------------------
 
-    def bind(self, group: Group) -> None:
+    def bind(self, group: Group) -> Member:
         """Train with `group` from now on: build this agent's member on first use, or
         move the kept one onto the re-formed ring (its size changes weights and rate)."""
         spec = self.spec.replace(agents=group.world)
@@ -178,13 +178,14 @@ class JobWorker:
                 rank=self.shard, weight=1.0 / group.world,
             )  # fmt: skip
             self._keep(self.committed)
-            return
+            return self.member
         opt = self.member.state.optimizer
         opt.reducer.collective = group.collective
         opt.weight = 1.0 / group.world
         factor = self.member.scaling.factor  # keep the monitor's halvings
         self.member.scaling = build.scaling(spec, opt.optimizer)
         self.member.scaling.factor = factor
+        return self.member
 
     def run(
         self,
@@ -201,7 +202,7 @@ class JobWorker:
         limits = FrameLimits(max_frame_bytes=seg.max_frame_bytes) if seg.max_frame_bytes else None
         channel = PeerChannel(endpoint, seg.channel_job, key=key, counters=counters,
                               limits=limits)  # fmt: skip
-        self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s))
+        m = self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s))
 
         def before(r: int) -> None:
             if gate is not None:
@@ -214,7 +215,6 @@ class JobWorker:
             self.committed = r + 1
             on_round(r, row)
 
-        m = self.member
         m.on_round, m.before_round, m.start_round = after, before, seg.start_round
         result = run(m, build.loop_settings(spec))
         last = result.evals[-1] if result.evals else {}
