@@ -1,13 +1,14 @@
 """Sync rounds with and without overlap (`bucket_kb`) over links of a given bandwidth.
 
-N agents run `training.sync.run_agent` on threads of this process, each behind a
-shaped link: a send holds the sender's link for ``latency + bytes / bandwidth``
-seconds (a sleep, so the CPU stays free for backward, as on a real NIC). The
-same job runs without and with overlap, `--repeats` times each, interleaved; the
-table prints the median seconds per round of compute (forward and backward),
-communication and the whole step, and the overlapped step divided by
-max(compute, communication) of the run without overlap: the acceptance target
-is at most 1.1 where the two are comparable.
+N members run the engine's loop (`engine.loop.run`, each a `Member` from
+`build.member`) on threads of this process, each behind a shaped link: a send
+holds the sender's link for ``latency + bytes / bandwidth`` seconds (a sleep, so
+the CPU stays free for backward, as on a real NIC). The same job runs without
+and with overlap, `--repeats` times each, interleaved; the table prints the
+median seconds per round of compute (forward and backward), communication and
+the whole step, and the overlapped step divided by max(compute, communication)
+of the run without overlap: the acceptance target is at most 1.1 where the two
+are comparable.
 
 Agents here share this machine's cores and one interpreter lock; on a small or
 busy machine the numbers swing by tens of percent. On boards, read the same
@@ -29,13 +30,12 @@ from typing import Any
 
 import torch
 
+from fedring import build
 from fedring.collective.channel import PeerChannel
-from fedring.collective.torus import build_ring
 from fedring.config import JobSpec
-from fedring.sim.runner import plan, prepare_agent
-from fedring.training.exchange import Exchange
-from fedring.training.models import param_count
-from fedring.training.sync import AgentContext, run_agent
+from fedring.engine.group import Group
+from fedring.engine.loop import run as run_loop
+from fedring.sim.runner import prepare_model
 from fedring.transport.base import Deadline, Delivery, MembershipEvent
 from fedring.transport.inproc import InprocEndpoint, InprocTransport
 
@@ -68,19 +68,25 @@ class ShapedEndpoint:
 def run_job(spec: JobSpec, bps: float, latency_s: float) -> dict[str, float]:
     """Median seconds per round (after the first few: warm-up) of one shaped job;
     medians, since agents that share a small machine's cores make outliers."""
-    p = plan(spec)
-    trainers = [prepare_agent(p, r) for r in range(spec.agents)]
+    p = build.plan(spec)
+    prepared = [prepare_model(spec, p, r) for r in range(spec.agents)]
     hub = InprocTransport()
     names = tuple(f"agent-{i}" for i in range(spec.agents))
-    numel = param_count(trainers[0].model)
     endpoints = [ShapedEndpoint(hub.connect(n), bps, latency_s) for n in names]
+    loop = build.loop_settings(spec)
 
     def agent(rank: int) -> list[dict[str, Any]]:
         channel = PeerChannel(endpoints[rank], "bench")  # type: ignore[arg-type]
-        ring = build_ring(channel, names, spec.topology, spec.timeout_s)
-        ctx = AgentContext(spec, trainers[rank], Exchange.build(ring, spec, numel),
-                           p.dataset.x_test, p.dataset.y_test, p.weights[rank])  # fmt: skip
-        return run_agent(ctx).rows
+        group = Group(channel, names, spec.topology, spec.timeout_s)
+        member = build.member(spec, p.task, p.dataset, *prepared[rank], group, rank=rank,
+                              weight=p.weights[rank])  # fmt: skip
+        try:
+            return run_loop(member, loop).rows
+        except BaseException:
+            endpoints[rank].close()  # the neighbours fail fast instead of waiting
+            raise
+        finally:
+            member.state.optimizer.close()
 
     with ThreadPoolExecutor(spec.agents) as pool:
         rows = [r for f in [pool.submit(agent, i) for i in range(spec.agents)] for r in f.result()]

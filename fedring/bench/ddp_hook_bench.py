@@ -38,10 +38,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fedring.bench.sessions import free_port
 from fedring.engine.ddp_hook import GroupTopKState, group_topk_hook, ring_allreduce_bytes
+from fedring.engine.sampler import ShardSampler
+from fedring.engine.task import evaluate_batches
 from fedring.training.datasets import load_dataset
 from fedring.training.models import build_model
 from fedring.training.sharding import make_shards, shard_data
-from fedring.training.trainer import LocalTrainer
 
 METHODS = ("ddp", "powersgd", "group-topk")
 
@@ -180,22 +181,23 @@ def _shards(cfg: RunConfig) -> list[_Shard]:
 
 def _train(rank: int, cfg: RunConfig, data: _Shard) -> dict[str, Any]:
     model = build_model("mlp", data.feature_shape, data.num_classes, cfg.seed)
-    trainer = LocalTrainer(model, data.x, data.y, batch_size=cfg.batch_size,
-                           momentum=cfg.momentum, seed=cfg.seed, rank=rank)  # fmt: skip
+    sampler = ShardSampler(len(data.x), batch_size=cfg.batch_size, seed=cfg.seed, rank=rank)
     ddp = DistributedDataParallel(model)
     meter = _SETUP[cfg.method](ddp, cfg)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(cfg.steps):
-        xb, yb = trainer.next_batch()
+        idx = torch.tensor(sampler.next_batch())
+        xb, yb = data.x[idx], data.y[idx]
         opt.zero_grad(set_to_none=False)
         F.cross_entropy(ddp(xb), yb).backward()  # the hook runs in here
         opt.step()
         meter.step()
     dist.barrier()
     wall = time.perf_counter() - start
-    _, accuracy = trainer.evaluate(data.x_test, data.y_test)
+    _, accuracy = evaluate_batches(model, data.x_test, data.y_test, F.cross_entropy,
+                                   lambda out, y: float((out.argmax(1) == y).sum()))
     return {"rank": rank, "accuracy": accuracy, "sent_bytes": meter.sent_bytes,
             "residual_norm": meter.residual_norm(), "wall_s": wall,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}  # fmt: skip

@@ -12,16 +12,19 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fedring import build
 from fedring.collective.channel import CollectiveError, CollectiveTimeout, PeerChannel, PeerLost
 from fedring.collective.ring import Ring
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
 from fedring.config import JobSpec, SpecError
-from fedring.sim.runner import plan, prepare_agent, simulate
-from fedring.training.buckets import Readiness, bucket_layout
-from fedring.training.exchange import Exchange
-from fedring.training.overlap import CommThread, Overlap
-from fedring.training.trainer import LocalTrainer
+from fedring.engine.buckets import Readiness, bucket_layout
+from fedring.engine.loop import Member, train_step
+from fedring.engine.optimizer import DistributedOptimizer, SyncSettings
+from fedring.engine.overlap import BucketOverlap, CommThread
+from fedring.engine.reducer import Reducer, ReducerSettings
+from fedring.sim.runner import prepare_model, simulate
+from fedring.training.models import flat_grads
 from fedring.transport.base import Deadline
 from fedring.transport.inproc import InprocTransport
 
@@ -157,6 +160,16 @@ class _Slow(torch.nn.Module):
         return _SlowBackward.apply(x)  # type: ignore[no-any-return]
 
 
+def _solo_member(model: torch.nn.Module, **changes: Any) -> Member:
+    """A one-member ring over an in-process channel, training `model` on a small shard."""
+    spec = JobSpec(agents=1, dataset="synthetic:200:64:10", batch_size=16, **changes)
+    task = build.task_of(spec)
+    data = task.dataset(spec.seed)
+    ring = Ring(PeerChannel(InprocTransport().connect("solo"), "t"), ("solo",))
+    return build.member(spec, task, data, model, data.x_train[:64], data.y_train[:64], ring,
+                        rank=0, weight=1.0)  # fmt: skip
+
+
 def test_buckets_travel_while_backward_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     # Backward: L4, (slow) L3, (slow) L2, (slow) L1; each bucket's ring also takes
     # SLOW_S. In sequence that is 3 + 4 units; overlapped, about 4.
@@ -165,27 +178,59 @@ def test_buckets_travel_while_backward_runs(monkeypatch: pytest.MonkeyPatch) -> 
     model = torch.nn.Sequential(
         layers[0], _Slow(), layers[1], _Slow(), layers[2], _Slow(), layers[3]
     )
-    trainer = LocalTrainer(model, torch.randn(64, 64), torch.randint(0, 10, (64,)),
-                           batch_size=16, momentum=0.0, seed=0, rank=0)  # fmt: skip
-    spec = JobSpec(agents=1, bucket_kb=1, group_size=64)
-    ring = Ring(PeerChannel(InprocTransport().connect("solo"), "t"), ("solo",))
-    ex = Exchange.build(ring, spec, sum(p.numel() for p in model.parameters()))
-    overlap = Overlap.build(spec, trainer, ex)
-    assert len(overlap.buckets) == 4  # one per layer
+    member = _solo_member(model, bucket_kb=1, group_size=64)
+    opt = member.state.optimizer
+    overlap = opt.overlap
+    assert overlap is not None and len(overlap.buckets) == 4  # one per layer
 
     def slow_ring(vec: torch.Tensor, *, scale: float, **_: Any) -> torch.Tensor:
         time.sleep(SLOW_S)
         return vec * scale
 
-    monkeypatch.setattr(ex, "reduce_bucket", slow_ring)
-    overlap.gradient(trainer, scale=1.0, round=0)  # warm-up: the first backward sets up
+    local: list[torch.Tensor] = []
+    agreed: list[torch.Tensor] = []
+    collect = overlap.collect
+
+    def recording_collect() -> tuple[torch.Tensor, float]:
+        local.append(flat_grads(opt.params))  # the .grad of this member, before the step
+        total, comm_s = collect()
+        agreed.append(total)
+        return total, comm_s
+
+    monkeypatch.setattr(overlap.reducer, "allreduce_bucket", slow_ring)
+    monkeypatch.setattr(overlap, "collect", recording_collect)
+    train_step(member)  # warm-up: the first backward sets up
     start = time.perf_counter()
-    done = overlap.gradient(trainer, scale=1.0, round=1)
+    _, compute_s = train_step(member)
     took = time.perf_counter() - start
-    assert torch.equal(done.total, done.grad)  # every bucket came back in its place
-    assert done.compute_s >= 3 * SLOW_S and done.comm_s >= 4 * SLOW_S
-    assert took < 0.8 * (done.compute_s + done.comm_s), (took, done.compute_s, done.comm_s)
-    assert took <= 1.25 * max(done.compute_s, done.comm_s), (took, done.compute_s, done.comm_s)
+    comm_s = opt.times.comm_s
+    assert torch.equal(agreed[-1], local[-1])  # every bucket came back in its place
+    assert opt.round == 2 and _comm_threads() == []
+    assert compute_s >= 3 * SLOW_S and comm_s >= 4 * SLOW_S
+    assert took < 0.8 * (compute_s + comm_s), (took, compute_s, comm_s)
+    assert took <= 1.25 * max(compute_s, comm_s), (took, compute_s, comm_s)
+
+
+def test_every_bucket_is_tagged_with_its_own_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bucket 0 is reduced while the slow backward still runs, before `step`: its
+    # frames must still carry this round (and its DGC warm-up k be this round's).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), _Slow(), torch.nn.Linear(64, 10))
+    member = _solo_member(model, bucket_kb=1, group_size=64)
+    opt = member.state.optimizer
+    assert opt.overlap is not None and len(opt.overlap.buckets) == 2
+    tags: list[tuple[int, int]] = []
+    allreduce_bucket = Reducer.allreduce_bucket
+
+    def recording(self: Reducer, vec: torch.Tensor, **kw: Any) -> torch.Tensor:
+        tags.append((kw["round"], kw["bucket"]))
+        return allreduce_bucket(self, vec, **kw)
+
+    monkeypatch.setattr(Reducer, "allreduce_bucket", recording)
+    opt.round = 5  # as `engine.loop.run` resumes a member
+    for _ in range(3):
+        train_step(member)
+    assert tags == [(r, j) for r in (5, 6, 7) for j in (0, 1)], tags
 
 
 def test_bucket_kb_zero_takes_the_old_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,53 +238,60 @@ def test_bucket_kb_zero_takes_the_old_path(monkeypatch: pytest.MonkeyPatch) -> N
         raise AssertionError("bucket path taken with bucket_kb=0")
 
     default = simulate(JobSpec(**SMALL))["model_hashes"]
-    monkeypatch.setattr(Overlap, "build", refuse)
-    monkeypatch.setattr(Exchange, "reduce_bucket", refuse)
+    monkeypatch.setattr(BucketOverlap, "__init__", refuse)
+    monkeypatch.setattr(Reducer, "allreduce_bucket", refuse)
     assert simulate(JobSpec(**SMALL, bucket_kb=0))["model_hashes"] == default
 
 
 # -- failures ------------------------------------------------------------------
 
 
-def _lonely_agent(peer_connects: bool) -> tuple[Overlap, Exchange, LocalTrainer]:
+def _lonely_agent(peer_connects: bool) -> Member:
     """Agent 0 of a two-agent ring whose agent 1 is silent or never connected."""
     spec = JobSpec(agents=2, dataset="synthetic:200:8:3", timeout_s=0.3, bucket_kb=1)
-    trainer = prepare_agent(plan(spec), 0)
+    p = build.plan(spec)
+    model, x, y = prepare_model(spec, p, 0)
     hub = InprocTransport()
     channel = PeerChannel(hub.connect("agent-0"), "t")
     if peer_connects:
         hub.connect("agent-1")  # connected, never answers
     ring = Ring(channel, ("agent-0", "agent-1"), spec.timeout_s)
-    numel = sum(p.numel() for p in trainer.model.parameters())
-    ex = Exchange.build(ring, spec, numel)
-    overlap = Overlap.build(spec.replace(bucket_kb=1), trainer, ex)
-    assert len(overlap.buckets) > 1
-    return overlap, ex, trainer
+    member = build.member(spec, p.task, p.dataset, model, x, y, ring, rank=0,
+                          weight=p.weights[0])  # fmt: skip
+    overlap = member.state.optimizer.overlap
+    assert overlap is not None and len(overlap.buckets) > 1
+    return member
 
 
 @pytest.mark.parametrize(("peer_connects", "error"), [(True, CollectiveTimeout), (False, PeerLost)])
 def test_a_ring_failure_reaches_the_main_thread_as_itself(
     peer_connects: bool, error: type[CollectiveError]
 ) -> None:
-    overlap, ex, trainer = _lonely_agent(peer_connects)
-    with pytest.raises(error):
-        ex.reduce(torch.ones(ex.numel), scale=0.5, round=0)  # the same error without buckets
-    with pytest.raises(error):
-        overlap.gradient(trainer, scale=0.5, round=1)
-    assert _comm_threads() == []
+    member = _lonely_agent(peer_connects)
+    opt = member.state.optimizer
+    reducer = opt.reducer
+    with pytest.raises(error):  # the same error without buckets
+        reducer.allreduce(torch.ones(reducer.numel), scale=0.5, round=0)
+    opt.round = 1
+    try:
+        with pytest.raises(error):
+            train_step(member)
+        assert _comm_threads() == []
+    finally:
+        opt.close()
 
 
 def test_a_failing_bucket_in_the_simulator_ends_the_run_and_its_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    reduce_bucket = Exchange.reduce_bucket
+    allreduce_bucket = Reducer.allreduce_bucket
 
-    def flaky(self: Exchange, vec: torch.Tensor, **kw: Any) -> torch.Tensor:
+    def flaky(self: Reducer, vec: torch.Tensor, **kw: Any) -> torch.Tensor:
         if self.channel.name == "agent-1" and kw["round"] == 3 and kw["bucket"] == 1:
             raise RuntimeError("agent-1 broke in bucket 1")
-        return reduce_bucket(self, vec, **kw)
+        return allreduce_bucket(self, vec, **kw)
 
-    monkeypatch.setattr(Exchange, "reduce_bucket", flaky)
+    monkeypatch.setattr(Reducer, "allreduce_bucket", flaky)
     with pytest.raises(RuntimeError, match="agent-1 broke"):  # the cause, not the neighbours'
         simulate(JobSpec(**SMALL, bucket_kb=4, timeout_s=5.0))
     assert _comm_threads() == []
@@ -302,3 +354,17 @@ def test_bucket_kb_comes_from_a_job_file() -> None:
     assert JobSpec.from_mapping({"bucket_kb": 64, "aggregation": "weighted"}).bucket_kb == 64
     with pytest.raises(SpecError, match=r"field 'bucket_kb'=1\.5 must be int"):
         JobSpec.from_mapping({"bucket_kb": 1.5})
+
+
+@pytest.mark.parametrize("aggregation", ["vote", "hybrid:0.9", "median"])
+def test_the_optimizer_refuses_buckets_outside_mean_or_weighted(aggregation: str) -> None:
+    model = torch.nn.Linear(8, 3)
+    numel = sum(p.numel() for p in model.parameters())
+    ring = Ring(PeerChannel(InprocTransport().connect("solo"), "t"), ("solo",))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="overlap needs aggregation mean or weighted"):
+        DistributedOptimizer(inner, Reducer(ring, numel, ReducerSettings()),
+                             SyncSettings(bucket_kb=8, aggregation=aggregation))  # fmt: skip
+    # A refused optimizer leaves no backward hooks behind (they would start comm
+    # threads that nobody collects on every later backward of this model).
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
