@@ -7,8 +7,9 @@ kills them by PID if they overrun.
 
 Every method trains the same task: fedring's iid digits shard of the rank,
 fedring's seeded MLP (64-128-64-10, 17,226 parameters, one DDP bucket) and batch
-order, `torch.optim.SGD` at a constant learning rate with momentum. Only the
-gradient averaging differs.
+order, `torch.optim.SGD` at a constant learning rate (plain SGD by default: see
+the tuning guide in `fedring.engine.ddp_hook` on momentum). Only the gradient
+averaging differs.
 
 Bytes sent by a rank follow the ring convention: an all-reduce of B bytes sends
 ``2 (N - 1) / N x B`` and an all-gather of a P-byte payload ``(N - 1) x P``. Plain
@@ -53,8 +54,8 @@ class RunConfig:
     world: int = 4  # ranks, all on this host
     steps: int = 300  # optimizer steps, the same on every rank
     batch_size: int = 32  # per rank
-    lr: float = 0.05  # SGD, constant
-    momentum: float = 0.9
+    lr: float = 0.5  # SGD, constant
+    momentum: float = 0.0  # see the tuning guide of fedring.engine.ddp_hook
     seed: int = 0  # model init, shards, batch order
     density: float = 0.01  # group-top-k: kept fraction of every group of 256
     start_compress_iter: int = 10  # dense all-reduce steps before either method compresses

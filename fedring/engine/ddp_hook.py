@@ -32,6 +32,12 @@ Tuning guide
 4. ``use_error_feedback`` stays on. Top-k is biased: without a residual, the 99%
    of small entries are never applied at all. With it, nothing is dropped, only
    delayed (``sent + residual == gradient + old residual``, bit for bit).
+5. The optimizer's momentum. Error feedback releases a coordinate's held-back
+   mass in bursts, and heavy-ball momentum then keeps re-applying each burst. On
+   digits (4 ranks, 300 steps, `bench/ddp_hook.py`) SGD with momentum 0.9 at lr
+   0.05 reached 0.925 test accuracy at 1% against 0.978 dense; plain SGD at the
+   same effective step (lr 0.5, no momentum) reached 0.981 against 0.983.
+   Measure both on your task before keeping momentum.
 
 Cost: a ring all-gather makes each rank send ``(N - 1) x payload`` bytes, where a
 ring all-reduce sends ``2 (N - 1) / N x bucket`` bytes. At 1% (3 of 256, fp32

@@ -19,9 +19,10 @@ from fedring.compression.sparse import n_groups
 from fedring.compression.values import ValueDtype
 from fedring.engine.ddp_hook import GroupTopKState, group_topk_hook
 
-# Measured on this task (seed 0, 4 ranks, 300 steps, lr 0.05, momentum 0.9): group-top-k
-# 1% + EF reaches 0.925 test accuracy and plain DDP 0.96; the margin absorbs other seeds.
-ACCURACY_FLOOR = 0.90
+# Measured on this task (RunConfig defaults: seed 0, 4 ranks, 300 steps of 32 per rank,
+# plain SGD lr 0.5): group-top-k 1% + EF reaches 0.981 test accuracy, plain DDP 0.983.
+# The run is bit-reproducible; the margin is for other torch builds.
+ACCURACY_FLOOR = 0.95
 
 
 @pytest.fixture
