@@ -76,7 +76,7 @@ def run_job(spec: JobSpec, bps: float, latency_s: float) -> dict[str, float]:
     loop = build.loop_settings(spec)
 
     def agent(rank: int) -> list[dict[str, Any]]:
-        channel = PeerChannel(endpoints[rank], "bench")  # type: ignore[arg-type]
+        channel = PeerChannel(endpoints[rank], "bench")
         group = Group(channel, names, spec.topology, spec.timeout_s)
         member = build.member(spec, p.task, p.dataset, *prepared[rank], group, rank=rank,
                               weight=p.weights[rank])  # fmt: skip

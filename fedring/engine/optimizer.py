@@ -127,14 +127,20 @@ class DistributedOptimizer:
         self.times = StepTimes()
         self.grad_norm = 0.0  # of the last local gradient, before any agreement
         self.delayed = _Delayed()
+        s = self.settings
+        if (s.bucket_kb or s.update_delay) and self.rule.kind not in ("mean", "weighted"):
+            raise ValueError(f"overlap needs aggregation mean or weighted, not {self.rule.kind}")
+        if s.update_delay not in (0, 1) or (s.update_delay and (s.mode != "sync" or s.bucket_kb)):
+            raise ValueError(
+                f"update_delay={s.update_delay} needs 0 or 1, sync mode and bucket_kb=0, "
+                f"not mode={s.mode!r}, bucket_kb={s.bucket_kb}"
+            )
         self.overlap = (
-            BucketOverlap(self.params, reducer, self.settings.bucket_kb, yielder)
-            if self.settings.bucket_kb and self.settings.mode == "sync"
+            BucketOverlap(self.params, reducer, s.bucket_kb, yielder,
+                          context=lambda: (self.round, self.weight))
+            if s.bucket_kb and s.mode == "sync"
             else None
         )
-        overlapped = self.overlap is not None or self.settings.update_delay
-        if overlapped and self.rule.kind not in ("mean", "weighted"):
-            raise ValueError(f"overlap needs aggregation mean or weighted, not {self.rule.kind}")
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -172,7 +178,6 @@ class DistributedOptimizer:
         if self.settings.update_delay:
             total = self._delayed_total()
         elif self.overlap is not None:
-            self.overlap.round, self.overlap.scale = self.round, self.weight
             total, self.times.comm_s = self.overlap.collect()
             self.grad_norm = self.overlap.grad_norm
         else:

@@ -151,12 +151,16 @@ class BucketOverlap:
     def __init__(
         self, params: list[torch.Tensor], reducer: Reducer, bucket_kb: int,
         yielder: Yielder | None = None,
+        context: Callable[[], tuple[int, float]] | None = None,
     ) -> None:  # fmt: skip
         sizes = [p.numel() for p in params]
         self.reducer, self.params, self.yielder = reducer, params, yielder
         self.buckets = bucket_layout(sizes, bucket_kb * 1024 // 4, reducer.settings.group_size)
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.round, self.scale = 0, 1.0
+        # (round, scale) of the round whose backward is running: read when its
+        # first gradient arrives, before `step` (the owner's current values)
+        self.context = context or (lambda: (self.round, self.scale))
         self._comm: CommThread | None = None
         self._ready = Readiness(self.buckets)
         self._flat = torch.zeros(sum(sizes), dtype=torch.float32)
@@ -172,16 +176,18 @@ class BucketOverlap:
             self._comm.abandon()
             self._comm = None
 
-    def _reduce(self, j: int, vec: torch.Tensor) -> torch.Tensor:
-        b = self.buckets[j]
-        return self.reducer.allreduce_bucket(
-            vec, span=(b.start, b.end), scale=self.scale, round=self.round, bucket=j
-        )
-
     def _start(self) -> CommThread:
         if self._comm is None:
-            name = f"{self.reducer.channel.name}-comm-r{self.round}"
-            self._comm = CommThread(self._reduce, name, self.yielder)
+            r, scale = self.context()  # fixed for all of this round's buckets
+
+            def reduce(j: int, vec: torch.Tensor) -> torch.Tensor:
+                b = self.buckets[j]
+                return self.reducer.allreduce_bucket(
+                    vec, span=(b.start, b.end), scale=scale, round=r, bucket=j
+                )
+
+            name = f"{self.reducer.channel.name}-comm-r{r}"
+            self._comm = CommThread(reduce, name, self.yielder)
             self._ready = Readiness(self.buckets)
         return self._comm
 
