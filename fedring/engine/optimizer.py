@@ -34,8 +34,10 @@ With a compressed gradient every step, run the wrapped optimizer *without*
 momentum (plain EF-SGD) or move the momentum into error feedback (DGC momentum
 correction, `ReducerSettings.momentum_correction`): momentum applied after a
 sparse exchange multiplies every delayed burst of gradient by 1/(1-m) and
-diverged on digits (8%). Adam and AdamW normalise the update per entry and work
-on the agreed gradient as they are.
+diverged on digits (8%). Measured by `bench/optimizers.py` (4 agents, group-top-k
+1% + EF): plain EF-SGD keeps up with dense (digits 0.969 vs 0.975, MNIST-1D CNN
+0.874 vs 0.877); AdamW on the agreed sparse gradient lags (0.919 vs 0.981, 0.579
+vs 0.879) and momentum SGD collapses (0.669, 0.299); DGC recovers part of it.
 
 `state_dict` holds the wrapped optimizer's state, the reducer's residual, the
 anchor of local mode and the round: plain tensors and numbers, so it round-trips
