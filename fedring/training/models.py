@@ -242,7 +242,9 @@ def _chunks(params: list[torch.Tensor], flat: torch.Tensor, what: str) -> list[t
         raise ValueError(f"flat {what} must be 1-D, got shape {tuple(flat.shape)}")
     sizes = [p.numel() for p in params]
     if flat.numel() != sum(sizes):
-        raise ValueError(f"flat {what} has {flat.numel()} entries, the model {sum(sizes)}")
+        raise ValueError(
+            f"flat {what} has length {flat.numel()}, the model has {sum(sizes)} parameters"
+        )
     return list(torch.split(flat, sizes)) if sizes else []
 
 
