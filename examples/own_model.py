@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fedring
+from fedring.training.datasets import Dataset
 from fedring.training.models import params_sha256
 
 AGENTS = 4
@@ -52,7 +53,7 @@ class Regressor(nn.Module):
         return self.net(x).squeeze(1)
 
 
-def load_data(seed: int) -> dict[str, torch.Tensor]:
+def load_data(seed: int) -> Dataset:
     """Diabetes, 80/20 split by a seeded permutation, standardised with train statistics."""
     x, y = load_diabetes(return_X_y=True)
     x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32)
@@ -61,16 +62,47 @@ def load_data(seed: int) -> dict[str, torch.Tensor]:
     train, test = order[:cut], order[cut:]
     mx, sx = x[train].mean(0), x[train].std(0)
     my, sy = y[train].mean(), y[train].std()
-    return {"x_train": (x[train] - mx) / sx, "y_train": (y[train] - my) / sy,
-            "x_test": (x[test] - mx) / sx, "y_test": (y[test] - my) / sy}  # fmt: skip
+    return Dataset("diabetes", (x[train] - mx) / sx, (y[train] - my) / sy,
+                   (x[test] - mx) / sx, (y[test] - my) / sy, num_classes=0)  # fmt: skip
 
 
 @torch.no_grad()
-def held_out(model: nn.Module, data: dict[str, torch.Tensor]) -> tuple[float, float]:
+def held_out(model: nn.Module, data: Dataset) -> tuple[float, float]:
     """Test MSE (in standardised units) and R^2, in eval mode (running BatchNorm stats)."""
     model.eval()
-    mse = float(nn.functional.mse_loss(model(data["x_test"]), data["y_test"]))
-    return mse, 1.0 - mse / float(data["y_test"].var(unbiased=False))
+    mse = float(nn.functional.mse_loss(model(data.x_test), data.y_test))
+    return mse, 1.0 - mse / float(data.y_test.var(unbiased=False))
+
+
+class DiabetesTask:
+    """The same work as a fedring task, for agent daemons and a coordinator over MQTT.
+
+    An agent runs it only if its own configuration allows this module
+    (``fedring agent --allow-task-module examples.own_model``) or it is installed as
+    a package with an entry point in ``fedring.tasks``; the job file names it
+    (``task = "examples.own_model:DiabetesTask"``, see ``examples/own_model.toml``) and
+    every agent checks its name, version and source sha256 against the coordinator's.
+    The metric is the test R^2.
+    """
+
+    name = "diabetes-regressor"
+    version = "1"
+
+    def dataset(self, seed: int) -> Dataset:
+        return load_data(seed)
+
+    def model(self, dataset: Dataset, seed: int) -> nn.Module:
+        torch.manual_seed(seed)  # the coordinator's start; agents are sent its parameters
+        return Regressor(dataset.feature_shape[0])
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output, target)
+
+    def evaluate(self, model: nn.Module, dataset: Dataset) -> tuple[float, float]:
+        return held_out(model, dataset)
+
+    def optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
 
 
 def train_agent(
@@ -101,17 +133,17 @@ def main(dense: bool = False, steps: int = 200, seed: int = 0) -> dict[str, floa
     torch.set_num_threads(1)  # four agent threads: no intra-op threads on top
     data = load_data(seed)
     torch.manual_seed(seed)
-    features = data["x_train"].shape[1]
+    features = data.feature_shape[0]
     start = Regressor(features)
     models = [Regressor(features) for _ in range(AGENTS)]
     for m in models:
         m.load_state_dict(start.state_dict())  # every agent starts from the same parameters
-    order = torch.randperm(len(data["y_train"]), generator=torch.Generator().manual_seed(seed))
+    order = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(seed))
     loaders = []
     for rank in range(AGENTS):
         shard = order[rank::AGENTS]
         sampler = fedring.ShardSampler(len(shard), batch_size=BATCH, seed=seed, rank=rank)
-        pairs = TensorDataset(data["x_train"][shard], data["y_train"][shard])
+        pairs = TensorDataset(data.x_train[shard], data.y_train[shard])
         loaders.append(DataLoader(pairs, batch_sampler=sampler))
     groups = fedring.local_group(AGENTS)
     with ThreadPoolExecutor(max_workers=AGENTS) as pool:

@@ -32,6 +32,7 @@ _API = {
     "Task": "fedring.engine.task",
     "ClassificationTask": "fedring.engine.task",
     "plan": "fedring.engine.plan",
+    "Plan": "fedring.engine.plan",
     "prepare": "fedring.engine.plan",
 }
 __all__ = sorted(_API)

@@ -1,15 +1,14 @@
 """From a `JobSpec` to the engine's objects: the one place runners turn a job into
 typed settings for each layer (nothing below the runners sees the whole spec).
 
-`member` builds what one agent trains with: the job's task, a plain
-`torch.optim.SGD` (momentum off for compressed gradients every step: plain
-EF-SGD, or DGC momentum inside error feedback), the reducer, the distributed
+`member` builds what one agent trains with: the job's task, its optimizer (the
+task's own, or a plain `torch.optim.SGD`), the reducer, the distributed
 optimizer, the scaled and warmed-up learning rate, and a seeded sampler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -27,13 +26,24 @@ from fedring.engine.plan import plan as plan_task
 from fedring.engine.reducer import Collective, Reducer, ReducerSettings
 from fedring.engine.sampler import ShardSampler
 from fedring.engine.state import TrainerState
-from fedring.engine.task import ClassificationTask, Task
+from fedring.engine.task import ClassificationTask, Task, load_task
 from fedring.training.datasets import Dataset
 from fedring.training.lr import LrSchedule
 
 
-def task_of(spec: JobSpec, data_dir: Any = None) -> Task:
-    """The job's built-in task (`npz:` paths resolved under an agent's `data_dir`)."""
+def task_of(
+    spec: JobSpec, data_dir: Any = None, allowed_modules: Iterable[str] | None = None
+) -> Task:
+    """The job's task: the user's (`spec.task`) or the built-in dataset + model.
+
+    A ``MODULE:ATTR`` task loads only if `MODULE` is in `allowed_modules`; `None`
+    means the spec is this process's own configuration (the coordinator's job file,
+    `fedring simulate`'s flags), so its module is allowed. Agents pass their own list.
+    `npz:` paths resolve under an agent's `data_dir`.
+    """
+    if spec.task:
+        own = [spec.task.partition(":")[0]] if allowed_modules is None else allowed_modules
+        return load_task(spec.task, own)
     data = spec.dataset
     if data.startswith("npz:") and data_dir is not None:
         data = f"npz:{data_dir / data[4:]}"
@@ -106,6 +116,20 @@ def scaling(spec: JobSpec, inner: torch.optim.Optimizer) -> LinearScaling:
     )  # fmt: skip
 
 
+def optimizer(spec: JobSpec, task: Task, model: nn.Module) -> torch.optim.Optimizer:
+    """The task's own optimizer if it has one (`task.optimizer(model, lr)`), else SGD:
+    no momentum for compressed gradients every step (plain EF-SGD, or DGC momentum
+    inside error feedback), the job's momentum otherwise."""
+    own = getattr(task, "optimizer", None)
+    if own is not None:
+        opt = own(model, spec.lr)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"task {task.name!r}: optimizer() returned {type(opt).__name__}")
+        return opt
+    momentum = 0.0 if spec.compressed_sync else spec.momentum
+    return torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=momentum)
+
+
 def member(
     spec: JobSpec, task: Task, dataset: Dataset, model: nn.Module, x: torch.Tensor,
     y: torch.Tensor, collective: Collective | Group, *, rank: int, weight: float,
@@ -116,8 +140,7 @@ def member(
     """One agent's `Member` for the job (see the module docstring)."""
     if isinstance(collective, Group):
         collective = collective.collective
-    momentum = 0.0 if spec.compressed_sync else spec.momentum
-    inner = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=momentum)
+    inner = optimizer(spec, task, model)
     numel = sum(p.numel() for p in model.parameters())
     reducer = Reducer(collective, numel, reducer_settings(spec))
     opt = DistributedOptimizer(inner, reducer, sync_settings(spec), model=model, weight=weight,

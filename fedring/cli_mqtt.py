@@ -99,6 +99,12 @@ def agent_cmd(
     cert: Path | None = _CERT,
     key: Path | None = _KEY,
     keepalive: int | None = _AGENT_KEEPALIVE,
+    allow_task_module: list[str] = typer.Option(
+        [], "--allow-task-module",
+        help="A module whose MODULE:ATTR tasks this agent may import (repeatable). Tasks "
+        "installed as packages (entry points 'fedring.tasks') need no flag; code is never "
+        "taken from the coordinator.",
+    ),
 ) -> None:
     """Run the agent daemon: enrol with the broker, train when a coordinator calls.
 
@@ -117,7 +123,8 @@ def agent_cmd(
         cfg = broker_config(broker, username, password_file, ca, cert, key,
                             keepalive or settings.keepalive_s)  # fmt: skip
         daemon = AgentDaemon(cfg, agent_id, data_dir=data_dir, profile=settings.hello(),
-                             threads=settings.torch_threads, budget=board)  # fmt: skip
+                             threads=settings.torch_threads, budget=board,
+                             allowed_modules=tuple(allow_task_module))  # fmt: skip
     except ProfileError as exc:
         raise typer.BadParameter(str(exc), param_hint="--profile") from None
     except TopicError as exc:

@@ -12,6 +12,7 @@ error names the field and the value. `resolved()` is what `--out DIR` writes bac
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -27,6 +28,7 @@ TOPOLOGIES = ("auto", "ring", "torus", "star")
 LR_SCALINGS = ("linear", "sqrt", "none")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 INITS = ("sent", "derived")
+TASK_REF = re.compile(r"[A-Za-z_][\w.-]*(:[A-Za-z_]\w*)?")
 
 
 class SpecError(ValueError):
@@ -38,6 +40,9 @@ class JobSpec:
     agents: int = 4  # N agents in the ring
     dataset: str = "digits"  # digits | mnist1d | synthetic[:N:D:C] | npz:PATH
     model: str = "mlp"  # mlp | cnn | MODULE:FACTORY
+    # A user's task instead of dataset + model: an entry-point name in the group
+    # "fedring.tasks", or MODULE:ATTR (agents load it only if their config allows MODULE).
+    task: str = ""
     sharding: str = "iid"  # iid | dirichlet:ALPHA | quantity:BETA
     compression: str = "group-topk"  # none | group-topk
     density: float = 0.01  # kept fraction per group (k = round(density * group_size))
@@ -99,6 +104,10 @@ class JobSpec:
         _check_choice(self, "sync", SYNC_MODES)
         _check_choice(self, "lr_scaling", LR_SCALINGS)
         _check_choice(self, "init", INITS)
+        if self.task and not TASK_REF.fullmatch(self.task):
+            raise SpecError(
+                f"field 'task'={self.task!r} must be an entry-point name or MODULE:ATTR"
+            )
         for name in (
             "local_steps",
             "rounds",

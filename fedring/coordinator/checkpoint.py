@@ -9,7 +9,7 @@ leaves the previous checkpoint intact; read with ``torch.load(weights_only=True)
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ class Checkpoint:
     epoch: int
     round: int  # parameters are the state at the start of this round
     params: torch.Tensor | None  # None until the first round completes
+    task: dict[str, str] = field(default_factory=dict)  # TaskId: name, version, sha256
 
     @property
     def params_sha256(self) -> str:
@@ -48,7 +49,7 @@ class Checkpoint:
             "model_sha256": self.model_sha256, "shard_manifest": self.shard_manifest,
             "epoch": self.epoch, "round": self.round,
             "params": self.params if self.params is not None else torch.empty(0),
-            "params_sha256": self.params_sha256,
+            "params_sha256": self.params_sha256, "task": self.task,
         }  # fmt: skip
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -72,6 +73,7 @@ class Checkpoint:
                 model_sha256=str(state["model_sha256"]),
                 shard_manifest=dict(state["shard_manifest"]), epoch=int(state["epoch"]),
                 round=int(state["round"]), params=params if params.numel() else None,
+                task={str(k): str(v) for k, v in state.get("task", {}).items()},
             )  # fmt: skip
         except (KeyError, TypeError, ValueError, RuntimeError, EOFError) as exc:
             raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from exc

@@ -127,19 +127,20 @@ def export_onnx(
 
 def export_from_checkpoint(checkpoint: Path, out: Path, *, int8: bool = False) -> dict[str, Any]:
     """Rebuild the checkpoint's model with its parameters and run `export_onnx` on it."""
+    from fedring import build
     from fedring.config import JobSpec
     from fedring.coordinator.checkpoint import Checkpoint, CheckpointError
-    from fedring.training.datasets import load_dataset
-    from fedring.training.models import build_model, set_flat_params
+    from fedring.training.models import set_flat_params
 
     ck = Checkpoint.load(checkpoint)
     spec = JobSpec.from_mapping(ck.spec)
-    ds = load_dataset(spec.dataset, spec.seed)
-    model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
+    task = build.task_of(spec)  # the coordinator's own job: its task module is allowed
+    ds = task.dataset(spec.seed)
+    model = task.model(ds, spec.seed)
     if ck.params is None:
         raise CheckpointError(f"{checkpoint}: no round has completed yet; nothing to export")
     set_flat_params(model, ck.params)
-    test = (ds.x_test.numpy(), ds.y_test.numpy())
+    test = (ds.x_test.numpy(), ds.y_test.numpy()) if ds.num_classes else None  # accuracy
     report = export_onnx(model, ds.feature_shape, out, int8=int8, test_set=test, seed=spec.seed)
     report["checkpoint_round"] = ck.round
     return report

@@ -15,6 +15,11 @@
    re-formed from whoever holds a shard and is online.
 5. End: every member says ``bye`` with its model hash; the coordinator checks
    they are identical, writes the final checkpoint and `summary.json`.
+
+Why one module of about 420 lines: the coordinator is one state machine (enrol,
+plan, segments, re-formation, finish) over one checkpoint and one link; the
+fleet's order and probes are in `membership`, the files in `outputs` and
+`checkpoint`. Issue 15 (the star through the coordinator) is where it splits.
 """
 
 from __future__ import annotations
@@ -133,13 +138,14 @@ class Coordinator:
         chosen = self.fleet.order(self._ready())[: self.spec.agents]
         spec = self.spec.replace(agents=len(chosen))
         p = plan(spec)
-        job = topics.check_id("job", f"{_slug(spec.dataset)}-{os.urandom(4).hex()}")
+        job = topics.check_id("job", f"{_slug(spec.task or spec.dataset)}-{os.urandom(4).hex()}")
         log.info("job %s: %d agents, ring %s", job, len(chosen), chosen)
         return Checkpoint(
             job=job, key=os.urandom(32), spec=spec.resolved(),
             shards={a: i for i, a in enumerate(chosen)}, model_sha256=p.model_sha256,
             shard_manifest=p.manifest.to_dict(), epoch=0, round=0,
             params=p.initial if spec.init == "sent" else None,  # sent, not re-derived
+            task=p.task_id.to_dict(),
         )  # fmt: skip
 
     def _resume(self) -> Checkpoint:
@@ -174,7 +180,7 @@ class Coordinator:
                 "head": head, "shard": ck.shards[agent], "spec": ck.spec,
                 "shards": ck.shard_manifest, "model_sha256": ck.model_sha256,
                 "start_round": ep.start, "params_sha256": ck.params_sha256,
-                "max_frame_bytes": self.fleet.frame_bytes(ep.members),
+                "max_frame_bytes": self.fleet.frame_bytes(ep.members), "task": ck.task or None,
             }  # fmt: skip
             self._send(agent, "manifest", doc, sign=False)
             if ck.params is not None:

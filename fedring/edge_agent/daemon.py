@@ -9,6 +9,10 @@ coordinator's disappearance can stop a segment at once. After each segment it
 reports: ``bye`` with its model hash when the job is done, ``nack`` with the last
 completed round when the segment was cut short. On SIGTERM it halts, publishes
 "offline" and exits 0.
+
+Why one module of about 300 lines: the daemon is one state machine (hello,
+manifest, model, segment, halt) whose handlers share the same few fields; the
+training itself is in `worker`, the rounds in the engine.
 """
 
 from __future__ import annotations
@@ -79,12 +83,14 @@ class AgentDaemon:
         profile: dict[str, Any] | None = None,
         threads: int = 1,
         budget: Profile | None = None,  # the board's profile: refuse jobs that would not fit
+        allowed_modules: tuple[str, ...] = (),  # MODULE:ATTR tasks this agent may import
     ) -> None:
         self.cfg, self.me = cfg, topics.check_id("--id", me)
         self.data_dir = data_dir
         self.profile = profile or {"name": "generic", "machine": platform.machine()}
         self.threads = threads
         self.budget = budget
+        self.allowed_modules = allowed_modules
         self.counters = Counters()
         self.codec = ControlCodec(me, counters=self.counters)
         self.stop = threading.Event()
@@ -178,6 +184,7 @@ class AgentDaemon:
                 self.worker = JobWorker(
                     self.me, seg.job, spec, int(doc["shard"]), doc["shards"],
                     str(doc["model_sha256"]), self.data_dir, self.budget,
+                    task=doc.get("task"), allowed_modules=self.allowed_modules,
                 )  # fmt: skip
                 assert self.link is not None
                 self.endpoint = self.link.endpoint(seg.job)

@@ -33,7 +33,7 @@ from fedring.counters import Counters
 from fedring.engine.group import Group
 from fedring.engine.loop import Member, run
 from fedring.engine.plan import ModelMismatch, prepare
-from fedring.engine.task import Task
+from fedring.engine.task import Task, TaskError, check_task
 from fedring.firmware_profiles.apply import check_budget, dataset_bytes, estimate_memory
 from fedring.firmware_profiles.schema import Profile
 from fedring.training.datasets import Dataset
@@ -83,10 +83,18 @@ class JobWorker:
 
     def __init__(
         self, me: str, job: str, spec: JobSpec, shard: int, manifest: dict[str, Any],
-        model_sha256: str, data_dir: Path | None = None, budget: Profile | None = None,
+        model_sha256: str, data_dir: Path | None = None, budget: Profile | None = None, *,
+        task: dict[str, Any] | None = None, allowed_modules: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
         self.me, self.job, self.spec, self.shard = me, job, spec, shard
-        self.task = build.task_of(spec, data_dir)
+        try:  # only a task installed here, or from a module this agent allows
+            self.task = build.task_of(spec, data_dir, allowed_modules)
+            if task is not None:  # name, version and source sha256 as the coordinator's
+                if not isinstance(task, dict):
+                    raise TaskError(f"manifest field 'task' must be a table, got {task!r}")
+                check_task(self.task, task)
+        except TaskError as exc:
+            raise JobRefused(str(exc)) from None
         dataset = self.task.dataset(spec.seed)
         shards_manifest = ShardManifest.from_dict(manifest)
         if shards_manifest.n_agents != spec.agents:

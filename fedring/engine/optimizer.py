@@ -42,6 +42,10 @@ vs 0.879) and momentum SGD collapses (0.669, 0.299); DGC recovers part of it.
 `state_dict` holds the wrapped optimizer's state, the reducer's residual, the
 anchor of local mode and the round: plain tensors and numbers, so it round-trips
 through ``torch.save`` and ``torch.load(weights_only=True)``.
+
+Why one module of about 300 lines: `step` reads top to bottom through the three
+paths (every step, local deltas, delayed update) that share the flattening, the
+buffers and the state; the collective is in `reducer`, bucket overlap in `overlap`.
 """
 
 from __future__ import annotations

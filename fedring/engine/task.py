@@ -1,8 +1,11 @@
 """Tasks: what a fleet trains — a model factory, a dataset and its shards, a loss, a metric.
 
-A task is any object with the `Task` members. fedring ships one kind,
-`ClassificationTask`, for its built-in datasets (``digits``, ``mnist1d``,
-``synthetic``, ``npz:PATH``) and models (``mlp``, ``cnn``, ``MODULE:FACTORY``);
+A task is any object with the `Task` members, and optionally
+``optimizer(model, lr) -> torch.optim.Optimizer`` (else the job's SGD). fedring
+ships one kind, `ClassificationTask`, for its built-in datasets (``digits``,
+``mnist1d``, ``synthetic``, ``npz:PATH``) and models (``mlp``, ``cnn``,
+``MODULE:FACTORY``); ``digits``, ``mnist1d`` and ``synthetic`` are also entry points,
+so ``task = "digits"`` finds them the way it finds a user's installed task;
 a user brings their own (regression, reconstruction, ...) as a class in an
 installed package, registered under the entry-point group ``fedring.tasks``::
 
@@ -88,6 +91,21 @@ class ClassificationTask:
         return evaluate_batches(model, dataset.x_test, dataset.y_test, self.loss, _correct)
 
 
+def digits() -> ClassificationTask:
+    """scikit-learn's 8x8 digits with the default MLP (entry point ``digits``)."""
+    return ClassificationTask("digits", "mlp")
+
+
+def mnist1d() -> ClassificationTask:
+    """MNIST-1D with the paper's CNN (entry point ``mnist1d``)."""
+    return ClassificationTask("mnist1d", "cnn")
+
+
+def synthetic() -> ClassificationTask:
+    """The seeded Gaussian mixture with the default MLP (entry point ``synthetic``)."""
+    return ClassificationTask("synthetic", "mlp")
+
+
 def _correct(out: torch.Tensor, y: torch.Tensor) -> float:
     return float((out.argmax(dim=1) == y).sum())
 
@@ -154,7 +172,9 @@ def load_task(ref: str, allowed_modules: Iterable[str] = ()) -> Task:
             known = sorted(ep.name for ep in entry_points(group=GROUP))
             raise TaskError(f"task {ref!r} is not installed; entry points in {GROUP!r}: {known}")
         factory = found[0].load()
-    task = factory() if callable(factory) and not isinstance(factory, Task) else factory
+    # A class or a factory function is called; an instance is used as it is.
+    make = isinstance(factory, type) or (callable(factory) and not isinstance(factory, Task))
+    task = factory() if make else factory
     if not isinstance(task, Task):
         raise TaskError(f"task {ref!r}: {type(task).__name__} lacks the Task members")
     return task

@@ -63,11 +63,10 @@ def _plan(spec: JobSpec) -> Plan:
 def _work(spec: JobSpec, rank: int) -> LocalWork:
     p = _plan(spec)
     model, x, y = _shard_and_model(spec, p, rank)
-    momentum = 0.0 if spec.compressed_sync else spec.momentum
     return LocalWork(
         model, x, y, p.task.loss,
         ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=rank),
-        torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=momentum),
+        build.optimizer(spec, p.task, model),
     )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedring import build
 from fedring.aggregation.rules import Aggregation, median, trimmed_mean
 from fedring.collective.channel import PeerChannel
 from fedring.compression.error_feedback import ErrorFeedback
@@ -183,9 +184,9 @@ def simulate_async(
 
 def _agent(spec: JobSpec, p: Plan, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
            rank: int) -> LocalWork:  # fmt: skip
-    """One asynchronous agent: its model, momentum SGD and seeded batches."""
+    """One asynchronous agent: its model, its optimizer (momentum SGD) and seeded batches."""
     return LocalWork(
         model, x, y, p.task.loss,
         ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=rank),
-        torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum),
+        build.optimizer(spec, p.task, model),
     )  # fmt: skip

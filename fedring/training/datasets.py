@@ -36,21 +36,24 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no single truth value
 class Dataset:
-    """A train/test pair of float32 features and int64 labels 0..num_classes-1."""
+    """A train/test pair of float32 features and int64 labels 0..num_classes-1, or, for a
+    regression task, float32 targets with ``num_classes = 0``."""
 
     name: str  # the spec string it was loaded from, e.g. "digits"
     x_train: torch.Tensor  # float32 [n, *feature_shape]
     y_train: torch.Tensor  # int64 [n]
     x_test: torch.Tensor  # float32 [m, *feature_shape]
     y_test: torch.Tensor  # int64 [m]
-    num_classes: int
+    num_classes: int  # 0: regression targets
 
     def __post_init__(self) -> None:
+        label = torch.int64 if self.num_classes else torch.float32
         for part in ("train", "test"):
             x, y = getattr(self, f"x_{part}"), getattr(self, f"y_{part}")
-            if x.dtype != torch.float32 or y.dtype != torch.int64:
+            if x.dtype != torch.float32 or y.dtype != label:
                 raise DatasetError(
-                    f"{self.name}: {part} dtypes {x.dtype}/{y.dtype} != float32/int64"
+                    f"{self.name}: {part} dtypes {x.dtype}/{y.dtype} != float32/{label} "
+                    f"(num_classes {self.num_classes})"
                 )
             if y.ndim != 1 or x.ndim < 1 or len(x) != len(y):
                 raise DatasetError(

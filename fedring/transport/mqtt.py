@@ -20,6 +20,10 @@ Incoming messages go to one of two queues:
 The sender of an inbox message is the topic's last level, which the broker's ACL
 binds to the client's user name (see `topics`); QoS 1 may deliver twice, so
 `PeerChannel` de-duplicates by (src, seq).
+
+Why one module of about 470 lines: paho's callbacks, presence, reconnection and
+the bounded send queue share one client and one lock; splitting them would spread
+that locking across files.
 """
 
 from __future__ import annotations

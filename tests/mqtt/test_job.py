@@ -6,6 +6,7 @@ end the module with as many threads as they had after the first job.
 
 from __future__ import annotations
 
+import runpy
 import signal
 import subprocess
 import time
@@ -21,6 +22,7 @@ from fedring.sim.runner import simulate
 from fedring.transport.mosquitto import Mosquitto
 from tests.mqtt.conftest import Fleet, coordinator, finish, job_file, wait_for
 
+LIBRARY_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "library_digits.py"
 THREADS: list[dict[str, int]] = []  # threads per agent at the end of each job
 
 
@@ -48,14 +50,17 @@ def _started(
     return proc, out
 
 
-def test_four_agents_reach_95_percent_with_the_simulator_hash(
+def test_four_agents_reach_95_percent_with_the_simulator_and_library_hash(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
     job = job_file(tmp_path)
     summary = finish(coordinator(broker.url, job, tmp_path / "run"))
     assert summary["final_accuracy"] >= 0.95
     assert summary["identical_models"] and summary["reformations"] == 0
-    assert summary["model_hashes"] == [_fault_free_hash(job)]
+    # The default digits job: MQTT daemons, `fedring simulate` and a user's own loop
+    # over the public API (examples/library_digits.py) end with the same parameters.
+    library = runpy.run_path(str(LIBRARY_EXAMPLE))["main"](rounds=600, target=0.95)
+    assert summary["model_hashes"] == [_fault_free_hash(job)] == library["hashes"]
     assert (tmp_path / "run" / "summary.json").exists()
     # The last checkpoint is the agents' final model, and it ships as checked ONNX.
     assert Checkpoint.load(tmp_path / "run").params_sha256 == summary["model_hashes"][0]
