@@ -20,13 +20,14 @@ from fedring.compression.group_topk import GroupTopK
 from fedring.config import JobSpec, SpecError
 from fedring.engine.buckets import Readiness, bucket_layout
 from fedring.engine.loop import Member, train_step
-from fedring.engine.optimizer import DistributedOptimizer, SyncSettings
+from fedring.engine.optimizer import SyncSettings
 from fedring.engine.overlap import BucketOverlap, CommThread
-from fedring.engine.reducer import Reducer, ReducerSettings
+from fedring.engine.reducer import Reducer
 from fedring.sim.runner import prepare_model, simulate
 from fedring.training.models import flat_grads
 from fedring.transport.base import Deadline
 from fedring.transport.inproc import InprocTransport
+from tests.engine.refusals import assert_refused
 
 TIMES = ("compute_s", "comm_s", "step_s")
 SMALL = {"agents": 3, "rounds": 20, "eval_every": 20}
@@ -358,13 +359,5 @@ def test_bucket_kb_comes_from_a_job_file() -> None:
 
 @pytest.mark.parametrize("aggregation", ["vote", "hybrid:0.9", "median"])
 def test_the_optimizer_refuses_buckets_outside_mean_or_weighted(aggregation: str) -> None:
-    model = torch.nn.Linear(8, 3)
-    numel = sum(p.numel() for p in model.parameters())
-    ring = Ring(PeerChannel(InprocTransport().connect("solo"), "t"), ("solo",))
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="overlap needs aggregation mean or weighted"):
-        DistributedOptimizer(inner, Reducer(ring, numel, ReducerSettings()),
-                             SyncSettings(bucket_kb=8, aggregation=aggregation))  # fmt: skip
-    # A refused optimizer leaves no backward hooks behind (they would start comm
-    # threads that nobody collects on every later backward of this model).
-    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    assert_refused(SyncSettings(bucket_kb=8, aggregation=aggregation),
+                   "overlap needs aggregation mean or weighted")  # fmt: skip

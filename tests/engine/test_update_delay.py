@@ -16,10 +16,10 @@ from fedring.config import JobSpec, SpecError
 from fedring.edge_agent.worker import JobWorker
 from fedring.engine.group import local_group
 from fedring.engine.loop import LoopSettings, Member, run, train_step
-from fedring.engine.optimizer import DistributedOptimizer, SyncSettings
-from fedring.engine.reducer import Reducer, ReducerSettings
+from fedring.engine.optimizer import SyncSettings
 from fedring.sim.runner import simulate
 from fedring.transport.inproc import InprocTransport
+from tests.engine.refusals import assert_refused
 
 SMALL = {"agents": 3, "dataset": "digits", "rounds": 30, "eval_every": 10, "seed": 1}
 SLOW_S = 0.05
@@ -132,13 +132,8 @@ def test_update_delay_outside_sync_mean_on_a_ring_is_refused(changes: dict[str, 
 
 @pytest.mark.parametrize("aggregation", ["vote", "hybrid:0.9", "median"])
 def test_the_optimizer_refuses_a_delay_outside_mean_or_weighted(aggregation: str) -> None:
-    model = torch.nn.Linear(8, 3)
-    numel = sum(p.numel() for p in model.parameters())
-    ring = Ring(PeerChannel(InprocTransport().connect("solo"), "t"), ("solo",))
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="overlap needs aggregation mean or weighted"):
-        DistributedOptimizer(inner, Reducer(ring, numel, ReducerSettings()),
-                             SyncSettings(update_delay=1, aggregation=aggregation))  # fmt: skip
+    assert_refused(SyncSettings(update_delay=1, aggregation=aggregation),
+                   "overlap needs aggregation mean or weighted")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -147,11 +142,4 @@ def test_the_optimizer_refuses_a_delay_outside_mean_or_weighted(aggregation: str
      {"update_delay": 1, "bucket_kb": 16}],
 )  # fmt: skip
 def test_the_optimizer_refuses_what_the_job_spec_refuses(changes: dict[str, Any]) -> None:
-    model = torch.nn.Linear(8, 3)
-    numel = sum(p.numel() for p in model.parameters())
-    ring = Ring(PeerChannel(InprocTransport().connect("solo"), "t"), ("solo",))
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="update_delay"):
-        DistributedOptimizer(inner, Reducer(ring, numel, ReducerSettings()),
-                             SyncSettings(**changes))  # fmt: skip
-    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    assert_refused(SyncSettings(**changes), "update_delay")

@@ -36,7 +36,7 @@ import msgpack
 import pytest
 import torch
 
-from fedring.collective.payloads import decode_payload
+from fedring.collective.payloads import decode_payload, encode_payload
 from fedring.compression import (
     DenseChunk,
     GroupSparse,
@@ -47,7 +47,6 @@ from fedring.compression import (
     SignQuantizer,
 )
 from fedring.compression.payload import Payload
-from fedring.wire.arrays import pack_arrays
 from fedring.wire.chunks import Reassembler, split_payload
 from fedring.wire.errors import FrameError, FrameReason
 from fedring.wire.frame import Frame, FrameLimits, decode_frame, encode_frame
@@ -88,14 +87,6 @@ def make_payloads() -> dict[str, Payload]:
         "sign-3state": SignBits.from_signs(torch.tensor([1, 0, -1] * 11, dtype=torch.int8), 40, 5),
         "topk-big": GroupTopK(group_size=256, k=16, value_dtype="fp32").compress(_x(40_000, 8)),
     }
-
-
-def to_meta_body(payload: Payload) -> tuple[dict[str, Any], bytes]:
-    """meta (with the array spec) and body, exactly as `PeerChannel.send` builds them."""
-    meta, arrays = payload.to_wire()
-    spec, body = pack_arrays(arrays)
-    meta["arrays"] = spec
-    return meta, body
 
 
 def frames_for(
@@ -157,12 +148,12 @@ class Base:
 
 
 def _single(name: str, payload: Payload, key: bytes | None, seq: int) -> Base:
-    (frame,) = frames_for(*to_meta_body(payload), DEFAULT, seq)
+    (frame,) = frames_for(*encode_payload(payload), DEFAULT, seq)
     return Base(name, encode_frame(frame, key), key, DEFAULT)
 
 
 def _split(name: str, payload: Payload, key: bytes | None, which: int) -> Base:
-    frames = frames_for(*to_meta_body(payload), SMALL, 100, phase="gather")
+    frames = frames_for(*encode_payload(payload), SMALL, 100, phase="gather")
     assert len(frames) >= 3, len(frames)
     which %= len(frames)
     siblings = [f for i, f in enumerate(frames) if i != which]
@@ -438,7 +429,7 @@ def run_payload_fuzz(seed: int = SEED, per_payload: int = PAYLOAD_MUTANTS_PER_BA
     start = time.perf_counter()
     empty = Ctx([], [])
     for i, (name, payload) in enumerate(make_payloads().items()):
-        meta, body = to_meta_body(payload)
+        meta, body = encode_payload(payload)
         key = KEY if i % 2 else None
         limits = SMALL if name == "topk-big" else DEFAULT
         for _ in range(per_payload):
@@ -540,7 +531,7 @@ def test_fuzz_is_deterministic() -> None:
 def test_retyped_meta_value_is_refused_not_crashed() -> None:
     # A spot check of the payload path: "numel" turned from an int into nil is a
     # well-formed frame that the payload decoder refuses.
-    meta, body = to_meta_body(DenseChunk(numel=100, start=0, values=torch.ones(4)))
+    meta, body = encode_payload(DenseChunk(numel=100, start=0, values=torch.ones(4)))
     frame = Frame(kind="chunk", job="j", src="a", dst="b", seq=0, meta=meta, body=body)
     raw = msgpack.unpackb(encode_frame(frame), raw=False)
     raw["meta"]["numel"] = None
