@@ -9,3 +9,23 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("fedring")
+
+# `make test` runs two pytest-xdist workers (`--dist loadgroup`). Suites that start
+# many processes or share machine-wide state run in lanes: each lane's tests one
+# after another on one worker, so they never contend with themselves (Flower's
+# SuperLink/Ray sessions; the lab's namespaces, which its clean-up finds by prefix).
+# Everything else (in-process tests) is spread over both workers.
+LANES = {
+    "flower": ("tests/flower/", "tests/bench/test_flower_fedavg.py"),
+    "net": ("tests/mqtt/", "tests/lab/", "tests/bench/test_ddp.py", "tests/engine/test_ddp_"),
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    for item in items:
+        path = item.nodeid
+        for lane, prefixes in LANES.items():
+            if path.startswith(prefixes):
+                item.add_marker(pytest.mark.xdist_group(lane))
