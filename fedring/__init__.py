@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 
 _API = {
     "local_group": "fedring.engine.group",
+    "connect": "fedring.rendezvous",  # a module named fedring.connect would shadow it
     "Group": "fedring.engine.group",
     "Reducer": "fedring.engine.reducer",
     "ReducerSettings": "fedring.engine.reducer",

@@ -2,11 +2,12 @@
 
 One `MqttLink` is one connection for one identity (an agent id or
 ``coordinator``). It publishes retained presence on ``agents/{id}/status`` with a
-last-will that marks it ``lost``, subscribes to its own inboxes and to everyone's
-presence, reconnects with exponential backoff plus jitter, and keeps a bounded
-outgoing queue (QoS 1; MQTT 3.1.1 by default, 5 on request, see `BrokerConfig`;
-the session survives reconnects and broker restarts, so queued frames are not
-lost).
+last-will that marks it ``lost`` (both name its job when it was given one:
+`peers_in` finds a job's agents, which is how `fedring.connect` rendezvouses),
+subscribes to its own inboxes and to everyone's presence, reconnects with
+exponential backoff plus jitter, and keeps a bounded outgoing queue (QoS 1;
+MQTT 3.1.1 by default, 5 on request, see `BrokerConfig`; the session survives
+reconnects and broker restarts, so queued frames are not lost).
 
 Incoming messages go to one of two queues:
 
@@ -135,6 +136,7 @@ class Control:
 @dataclass
 class _Presence:
     online: dict[str, str] = field(default_factory=dict)  # id -> session
+    jobs: dict[str, str] = field(default_factory=dict)  # id -> the job its status names, or ""
     pending_lost: dict[str, str] = field(default_factory=dict)  # id -> session, unconfirmed
 
 
@@ -149,9 +151,11 @@ class MqttLink:
         control_from: Collection[str] = (topics.COORDINATOR,),
         listen_hellos: bool = False,
         counters: Counters | None = None,
+        job: str | None = None,  # announced in our presence (see `peers_in`)
     ) -> None:
         self.cfg = cfg
         self.me = topics.check_id("id", me)
+        self.job = None if job is None else topics.check_id("job", job)
         self.session = os.urandom(6).hex()
         self.stats = LinkStats()
         self.counters = counters or Counters()
@@ -235,7 +239,10 @@ class MqttLink:
             raise BrokerRefused(f"broker {self.cfg.url} refused {self.me!r}{who}: {reason}")
 
     def _status(self, state: str) -> bytes:
-        return json.dumps({"state": state, "session": self.session, "ts": time.time()}).encode()
+        doc: dict[str, Any] = {"state": state, "session": self.session, "ts": time.time()}
+        if self.job is not None:
+            doc["job"] = self.job
+        return json.dumps(doc).encode()
 
     def _on_connect(self, client: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
         if rc.is_failure:
@@ -307,11 +314,12 @@ class MqttLink:
     def _presence_changed(self, who: str, payload: bytes, retained: bool) -> None:
         if who == self.me:
             return
-        state, session = "offline", ""
+        state, session, job = "offline", "", ""
         if payload and len(payload) <= _MAX_STATUS_BYTES:
             try:
                 doc = json.loads(payload)
                 state, session = str(doc.get("state", "offline")), str(doc.get("session", ""))
+                job = str(doc.get("job", ""))
             except (ValueError, AttributeError):
                 self.counters.add("bad_status")
                 log.warning("%s: unreadable status from %s", self.me, who)
@@ -326,6 +334,7 @@ class MqttLink:
                         events.append(MembershipEvent("lost", who))
                     events.append(MembershipEvent("joined", who))
                     self._presence.online[who] = session
+                    self._presence.jobs[who] = job
             elif known is not None and (not session or session == known):
                 if state == "lost":  # confirmed later: a broker going down sends every will
                     self._presence.pending_lost[who] = session
@@ -380,6 +389,12 @@ class MqttLink:
     def peers(self) -> frozenset[str]:
         with self._lock:
             return frozenset(self._presence.online)
+
+    def peers_in(self, job: str) -> dict[str, str]:
+        """Online peers whose presence names `job` (links made with ``job=``): id -> session."""
+        with self._lock:
+            jobs = self._presence.jobs
+            return {who: s for who, s in self._presence.online.items() if jobs.get(who) == job}
 
     def wait_connected(self, deadline: Deadline) -> bool:
         return self._connected.wait(deadline.remaining())
