@@ -18,6 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
 from fedring.aggregation.rules import Aggregation
 from fedring.config import JobSpec, SpecError
 
@@ -66,3 +69,15 @@ def spec_to_config(spec: JobSpec) -> dict[str, Any]:
 def spec_from_config(values: Mapping[str, Any]) -> JobSpec:
     """Rebuild a spec sent by the ServerApp; SpecError names a bad field."""
     return JobSpec.from_mapping(dict(values))
+
+
+def initial_bytes(params: torch.Tensor) -> bytes:
+    """The plan's initial parameters as the enrol message carries them: float32, little-endian."""
+    return params.detach().to(torch.float32).numpy().astype("<f4").tobytes()
+
+
+def initial_params(blob: bytes) -> torch.Tensor:
+    """`initial_bytes` back to a flat float32 tensor (the sha256 check is `prepare`'s)."""
+    if not isinstance(blob, bytes) or len(blob) % 4:
+        raise ValueError(f"enrol 'initial.params': {type(blob).__name__} of {len(blob)} bytes")
+    return torch.from_numpy(np.frombuffer(blob, dtype="<f4").astype(np.float32))

@@ -30,7 +30,7 @@ from fedring.config import JobSpec, SpecError
 from fedring.engine.plan import Plan
 from fedring.flower import carrier
 from fedring.flower.client_app import SERVER, node_name
-from fedring.flower.job import FlowerJob, spec_to_config
+from fedring.flower.job import FlowerJob, initial_bytes, spec_to_config
 from fedring.flower.metering import MeteredGrid
 from fedring.flower.ring_job import RoundsOutcome, ring_rounds
 from fedring.flower.star import GlobalModel
@@ -56,13 +56,16 @@ def wait_for_nodes(grid: Grid, n: int, timeout_s: float) -> list[int]:
 def enrol(
     grid: Grid, spec: JobSpec, p: Plan, nodes: list[int], timeout_s: float
 ) -> dict[int, int]:
-    """Send every node the job and the plan; return node id -> rank of those that agree."""
+    """Send every node the job, the plan and the initial parameters; return node id ->
+    rank of those that agree."""
     m = p.manifest
     plan_cfg = ConfigRecord({
         "dataset": m.dataset, "scheme": m.scheme, "seed": m.seed, "n_agents": m.n_agents,
         "sizes": list(m.sizes), "digests": list(m.digests), "model_sha256": p.model_sha256,
     })  # fmt: skip
     content = RecordDict({"job": ConfigRecord(spec_to_config(spec)), "plan": plan_cfg})
+    if spec.init == "sent":  # SEEDS A: the start is sent, so every architecture holds its bits
+        content["initial"] = ConfigRecord({"params": initial_bytes(p.initial)})
     msgs = [Message(content, dst_node_id=n, message_type=f"{MessageType.QUERY}.enrol")
             for n in nodes]  # fmt: skip
     ranks: dict[int, int] = {}
