@@ -38,6 +38,10 @@ class FlowerJob:
     # Error feedback delays what compression leaves out; momentum 0.5 makes up for
     # the delay within 20 rounds (digits, 8 clients: 0.9666 vs 0.9554 without).
     server_momentum: float = 0.5
+    # How long the ServerApp waits for the nodes and their enrolment: a node's first
+    # message starts a ClientApp process that imports torch and plans the shards
+    # (seconds on a Pi, longer on a loaded machine), so more than one round's wait.
+    enrol_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         spec = self.spec
@@ -45,6 +49,8 @@ class FlowerJob:
             raise SpecError(f"field 'downlink'={self.downlink!r} must be one of dense, group-topk")
         if not 0.1 <= self.round_timeout_s <= 86400:
             raise SpecError(f"field 'round_timeout_s'={self.round_timeout_s!r} not in [0.1, 86400]")
+        if not 0.1 <= self.enrol_timeout_s <= 86400:
+            raise SpecError(f"field 'enrol_timeout_s'={self.enrol_timeout_s!r} not in [0.1, 86400]")
         if not 0.0 <= self.server_momentum < 1.0:
             raise SpecError(f"field 'server_momentum'={self.server_momentum!r} not in [0, 1)")
         if spec.sync not in FLOWER_SYNC:

@@ -3,7 +3,7 @@
 `make_server_app(job)` builds a ServerApp for a given `FlowerJob` (what `fedring
 flower simulate` uses); the module-level `app` reads the job from the run config
 (``flwr run . --run-config "agents=2 rounds=5 ..."``; keys are JobSpec fields plus
-``downlink``, ``round_timeout_s`` and ``out``, a directory for summary.json).
+``downlink``, ``round_timeout_s``, ``enrol_timeout_s`` and ``out``, a directory for summary.json).
 
 A round: one train message per enrolled node, carrying the last downlink (a delta
 for nodes that applied every previous one, the whole model for a node that
@@ -108,8 +108,8 @@ def run_job(grid: Grid, job: FlowerJob) -> Summary:
     metered = MeteredGrid(grid)
     p = plan(spec)
     model = GlobalModel(job, p)
-    nodes = wait_for_nodes(metered, spec.agents, job.round_timeout_s)
-    ranks = enrol(metered, job.spec, p, nodes, job.round_timeout_s)
+    nodes = wait_for_nodes(metered, spec.agents, job.enrol_timeout_s)
+    ranks = enrol(metered, job.spec, p, nodes, job.enrol_timeout_s)
     enrol_bytes = metered.totals()
     if spec.topology == "ring":
         out = ring_rounds(metered, job, ranks, model.numel)
@@ -268,8 +268,9 @@ def job_from_run_config(values: dict[str, Any]) -> tuple[FlowerJob, Path | None]
     downlink = str(fields.pop("downlink", "dense"))
     timeout = _number(fields.pop("round_timeout_s", 120.0), "round_timeout_s")
     momentum = _number(fields.pop("server_momentum", 0.5), "server_momentum")
+    enrol_s = _number(fields.pop("enrol_timeout_s", 300.0), "enrol_timeout_s")
     fields.setdefault("topology", "star")
-    job = FlowerJob(JobSpec.from_mapping(fields), downlink, timeout, momentum)
+    job = FlowerJob(JobSpec.from_mapping(fields), downlink, timeout, momentum, enrol_s)
     return job, Path(str(out)) if out else None
 
 
