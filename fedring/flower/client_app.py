@@ -22,7 +22,7 @@ from flwr.clientapp import ClientApp
 
 from fedring.compression.payload import Payload
 from fedring.flower import carrier, ring_relay
-from fedring.flower.job import spec_from_config
+from fedring.flower.job import initial_params, spec_from_config
 from fedring.flower.node import (
     NodeState,
     OutOfSync,
@@ -65,7 +65,9 @@ def enrol_node(msg: Message, context: Context) -> Message:
     manifest = ShardManifest.from_dict(
         {k: plan[k] for k in ("dataset", "scheme", "seed", "n_agents", "sizes", "digests")}
     )
-    state = enrol(spec, _partition(context), manifest, str(plan["model_sha256"]))
+    sent = msg.content.config_records.get("initial")
+    initial = initial_params(sent["params"]) if sent is not None else None  # type: ignore[arg-type]
+    state = enrol(spec, _partition(context), manifest, str(plan["model_sha256"]), initial)
     _store(context, state)
     context.state[_JOB] = ConfigRecord(dict(job))
     context.state[_SIZES] = ConfigRecord({"sizes": list(manifest.sizes)})

@@ -18,6 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
 from fedring.aggregation.rules import Aggregation
 from fedring.config import JobSpec, SpecError
 
@@ -35,6 +38,10 @@ class FlowerJob:
     # Error feedback delays what compression leaves out; momentum 0.5 makes up for
     # the delay within 20 rounds (digits, 8 clients: 0.9666 vs 0.9554 without).
     server_momentum: float = 0.5
+    # How long the ServerApp waits for the nodes and their enrolment: a node's first
+    # message starts a ClientApp process that imports torch and plans the shards
+    # (seconds on a Pi, longer on a loaded machine), so more than one round's wait.
+    enrol_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         spec = self.spec
@@ -42,6 +49,8 @@ class FlowerJob:
             raise SpecError(f"field 'downlink'={self.downlink!r} must be one of dense, group-topk")
         if not 0.1 <= self.round_timeout_s <= 86400:
             raise SpecError(f"field 'round_timeout_s'={self.round_timeout_s!r} not in [0.1, 86400]")
+        if not 0.1 <= self.enrol_timeout_s <= 86400:
+            raise SpecError(f"field 'enrol_timeout_s'={self.enrol_timeout_s!r} not in [0.1, 86400]")
         if not 0.0 <= self.server_momentum < 1.0:
             raise SpecError(f"field 'server_momentum'={self.server_momentum!r} not in [0, 1)")
         if spec.sync not in FLOWER_SYNC:
@@ -66,3 +75,15 @@ def spec_to_config(spec: JobSpec) -> dict[str, Any]:
 def spec_from_config(values: Mapping[str, Any]) -> JobSpec:
     """Rebuild a spec sent by the ServerApp; SpecError names a bad field."""
     return JobSpec.from_mapping(dict(values))
+
+
+def initial_bytes(params: torch.Tensor) -> bytes:
+    """The plan's initial parameters as the enrol message carries them: float32, little-endian."""
+    return params.detach().to(torch.float32).numpy().astype("<f4").tobytes()
+
+
+def initial_params(blob: bytes) -> torch.Tensor:
+    """`initial_bytes` back to a flat float32 tensor (the sha256 check is `prepare`'s)."""
+    if not isinstance(blob, bytes) or len(blob) % 4:
+        raise ValueError(f"enrol 'initial.params': {type(blob).__name__} of {len(blob)} bytes")
+    return torch.from_numpy(np.frombuffer(blob, dtype="<f4").astype(np.float32))

@@ -78,16 +78,21 @@ def _shard_and_model(
     return p.task.model(p.dataset, spec.seed), x, y
 
 
-def enrol(spec: JobSpec, rank: int, manifest: ShardManifest, model_sha256: str) -> NodeState:
+def enrol(
+    spec: JobSpec, rank: int, manifest: ShardManifest, model_sha256: str,
+    initial: torch.Tensor | None = None,
+) -> NodeState:  # fmt: skip
     """Verify this node's shard and initial model against the ServerApp's plan: the
-    start is the plan's parameters, checked by sha256 (or, with ``init = "derived"``,
-    this node's own seeded build, refused if it differs)."""
+    start is the `initial` parameters the ServerApp sent, checked by sha256 (or, with
+    ``init = "derived"``, this node's own seeded build, refused if it differs)."""
     if not 0 <= rank < spec.agents:
         raise ValueError(f"node_config 'partition-id'={rank} not in [0, {spec.agents})")
+    if spec.init == "sent" and initial is None:
+        raise ValueError("init='sent': the enrol message carries no initial parameters")
     p = _plan(spec)
     model, _, _ = prepare(
         p.task, p.dataset, manifest, p.shards[rank], rank, seed=spec.seed,
-        model_sha256=model_sha256, initial=p.initial if spec.init == "sent" else None,
+        model_sha256=model_sha256, initial=initial if spec.init == "sent" else None,
     )  # fmt: skip
     work = _work(spec, rank)
     work.set_params(flat_params(model))

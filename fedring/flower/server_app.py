@@ -3,7 +3,7 @@
 `make_server_app(job)` builds a ServerApp for a given `FlowerJob` (what `fedring
 flower simulate` uses); the module-level `app` reads the job from the run config
 (``flwr run . --run-config "agents=2 rounds=5 ..."``; keys are JobSpec fields plus
-``downlink``, ``round_timeout_s`` and ``out``, a directory for summary.json).
+``downlink``, ``round_timeout_s``, ``enrol_timeout_s`` and ``out``, a directory for summary.json).
 
 A round: one train message per enrolled node, carrying the last downlink (a delta
 for nodes that applied every previous one, the whole model for a node that
@@ -30,7 +30,7 @@ from fedring.config import JobSpec, SpecError
 from fedring.engine.plan import Plan
 from fedring.flower import carrier
 from fedring.flower.client_app import SERVER, node_name
-from fedring.flower.job import FlowerJob, spec_to_config
+from fedring.flower.job import FlowerJob, initial_bytes, spec_to_config
 from fedring.flower.metering import MeteredGrid
 from fedring.flower.ring_job import RoundsOutcome, ring_rounds
 from fedring.flower.star import GlobalModel
@@ -56,13 +56,16 @@ def wait_for_nodes(grid: Grid, n: int, timeout_s: float) -> list[int]:
 def enrol(
     grid: Grid, spec: JobSpec, p: Plan, nodes: list[int], timeout_s: float
 ) -> dict[int, int]:
-    """Send every node the job and the plan; return node id -> rank of those that agree."""
+    """Send every node the job, the plan and the initial parameters; return node id ->
+    rank of those that agree."""
     m = p.manifest
     plan_cfg = ConfigRecord({
         "dataset": m.dataset, "scheme": m.scheme, "seed": m.seed, "n_agents": m.n_agents,
         "sizes": list(m.sizes), "digests": list(m.digests), "model_sha256": p.model_sha256,
     })  # fmt: skip
     content = RecordDict({"job": ConfigRecord(spec_to_config(spec)), "plan": plan_cfg})
+    if spec.init == "sent":  # SEEDS A: the start is sent, so every architecture holds its bits
+        content["initial"] = ConfigRecord({"params": initial_bytes(p.initial)})
     msgs = [Message(content, dst_node_id=n, message_type=f"{MessageType.QUERY}.enrol")
             for n in nodes]  # fmt: skip
     ranks: dict[int, int] = {}
@@ -105,8 +108,8 @@ def run_job(grid: Grid, job: FlowerJob) -> Summary:
     metered = MeteredGrid(grid)
     p = plan(spec)
     model = GlobalModel(job, p)
-    nodes = wait_for_nodes(metered, spec.agents, job.round_timeout_s)
-    ranks = enrol(metered, job.spec, p, nodes, job.round_timeout_s)
+    nodes = wait_for_nodes(metered, spec.agents, job.enrol_timeout_s)
+    ranks = enrol(metered, job.spec, p, nodes, job.enrol_timeout_s)
     enrol_bytes = metered.totals()
     if spec.topology == "ring":
         out = ring_rounds(metered, job, ranks, model.numel)
@@ -265,8 +268,9 @@ def job_from_run_config(values: dict[str, Any]) -> tuple[FlowerJob, Path | None]
     downlink = str(fields.pop("downlink", "dense"))
     timeout = _number(fields.pop("round_timeout_s", 120.0), "round_timeout_s")
     momentum = _number(fields.pop("server_momentum", 0.5), "server_momentum")
+    enrol_s = _number(fields.pop("enrol_timeout_s", 300.0), "enrol_timeout_s")
     fields.setdefault("topology", "star")
-    job = FlowerJob(JobSpec.from_mapping(fields), downlink, timeout, momentum)
+    job = FlowerJob(JobSpec.from_mapping(fields), downlink, timeout, momentum, enrol_s)
     return job, Path(str(out)) if out else None
 
 
