@@ -7,9 +7,10 @@
 A `Group` wraps a `PeerChannel` (frames over a transport endpoint) and builds the
 collective the layout asks for: a flat ring, or from 9 members up a torus of rings
 (``topology="auto"``). `local_group` connects members through the in-process
-transport (the embedded default and a test aid); over MQTT the agent daemon
-builds a group from the coordinator's manifest on its broker endpoint, the same
-way `torch.distributed.init_process_group` hands DDP its process group.
+transport (the embedded default and a test aid). Over MQTT, `fedring.connect`
+(in `fedring.rendezvous`, above the engine) meets `world` agents of a job on the
+broker, and the agent daemon builds its group from the coordinator's manifest:
+the way `torch.distributed.init_process_group` hands DDP its process group.
 """
 
 from __future__ import annotations
