@@ -135,11 +135,11 @@ def estimate_memory(
 
 def job_memory(spec: JobSpec) -> MemoryEstimate:
     """Load the job's dataset and model as an agent would, and estimate the memory."""
-    from fedring.training.datasets import load_dataset
-    from fedring.training.models import build_model
+    from fedring.build import task_of
 
-    ds = load_dataset(spec.dataset, spec.seed)
-    model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
+    task = task_of(spec)
+    ds = task.dataset(spec.seed)
+    model = task.model(ds, spec.seed)
     return estimate_memory(spec, model, ds.feature_shape, dataset_bytes(ds))
 
 

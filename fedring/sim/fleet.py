@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fedring.config import JobSpec
 from fedring.firmware_profiles.apply import check_budget, job_memory
@@ -89,11 +88,11 @@ class HostSpeed:
 
 
 def measure_host(spec: JobSpec, repeats: int = 15) -> HostSpeed:
-    from fedring.training.datasets import load_dataset
-    from fedring.training.models import build_model
+    from fedring.build import task_of
 
-    ds = load_dataset(spec.dataset, spec.seed)
-    model = build_model(spec.model, ds.feature_shape, ds.num_classes, spec.seed)
+    task = task_of(spec)
+    ds = task.dataset(spec.seed)
+    model = task.model(ds, spec.seed)
     xb, yb = ds.x_train[: spec.batch_size], ds.y_train[: spec.batch_size]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -102,7 +101,7 @@ def measure_host(spec: JobSpec, repeats: int = 15) -> HostSpeed:
         for i in range(repeats + 3):
             start = time.perf_counter()
             model.zero_grad()
-            F.cross_entropy(model(xb), yb).backward()
+            task.loss(model(xb), yb).backward()
             if i >= 3:  # warm-up
                 times.append(time.perf_counter() - start)
         a = torch.randn(384, 384, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
