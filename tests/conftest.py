@@ -17,7 +17,8 @@ settings.load_profile("fedring")
 # Everything else (in-process tests) is spread over both workers.
 LANES = {
     "flower": ("tests/flower/", "tests/bench/test_flower_fedavg.py"),
-    "net": ("tests/mqtt/", "tests/lab/", "tests/bench/test_ddp.py", "tests/engine/test_ddp_"),
+    "mqtt": ("tests/mqtt/",),
+    "lab": ("tests/lab/", "tests/bench/test_ddp.py", "tests/engine/test_ddp_"),
 }
 
 

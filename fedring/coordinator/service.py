@@ -91,7 +91,7 @@ class Coordinator:
         self.epochs = 0
         self.last_row: dict[str, Any] = {}
         self.rows: dict[int, dict[str, Any]] = {}  # the head's metrics by round (a redo replaces)
-        self.refused: set[str] = set()  # agents that cannot take this job
+        self.refused: dict[str, str] = {}  # agents that cannot take this job -> why
         self.events: list[dict[str, Any]] = []  # wall-clock times of re-formations
         self.t0: float | None = None  # training starts: rows carry "wall_s" since then
 
@@ -121,6 +121,7 @@ class Coordinator:
                     raise CoordinatorError(f"gave up after {self.epochs} re-formations")
                 epoch += 1
                 members = self._members()
+                self._check_refusals(members)
         finally:
             self.link.close("offline")
 
@@ -157,6 +158,19 @@ class Coordinator:
             self._poll(0.2)
         return ck
 
+    def _check_refusals(self, members: list[str]) -> None:
+        """Never shrink silently below the minimum because agents refused the job: a
+        lost agent may come back, a refusal (task, shard, memory) is for good."""
+        want = self.opts.min_agents or self.spec.agents
+        if self.refused and len(members) < want:
+            self.counters.add("too_few_after_refusals")
+            why = "; ".join(f"{a}: {w}" for a, w in sorted(self.refused.items()))
+            raise CoordinatorError(
+                f"{len(members)} of the {want} agents the job needs are left after "
+                f"{len(self.refused)} refused it ({why}); fix those agents, or lower "
+                "--min-agents to run with fewer"
+            )
+
     def _ready(self) -> set[str]:
         assert self.link is not None
         return set(self.fleet.hellos) & set(self.link.peers())
@@ -164,7 +178,7 @@ class Coordinator:
     def _members(self) -> list[str]:
         assert self.ck is not None
         self._poll(0.0)
-        return self.fleet.order((self._ready() & set(self.ck.shards)) - self.refused)
+        return self.fleet.order((self._ready() & set(self.ck.shards)) - set(self.refused))
 
     # -- one segment --------------------------------------------------------------
 
@@ -240,7 +254,7 @@ class Coordinator:
         elif msg.kind == "nack":
             self.counters.add("agent_nack")
             if str(msg.doc.get("why", "")).startswith("refused"):
-                self.refused.add(msg.src)
+                self.refused[msg.src] = str(msg.doc["why"])
             return f"{msg.src} stopped: {msg.doc.get('why', '')}", False
         elif msg.kind == "model" and msg.src == ep.members[0]:
             self._checkpoint(ep, msg)

@@ -80,7 +80,7 @@ def test_flower_relay_equals_in_process_ring(tmp_path: Path) -> None:
 
 def test_training_over_the_relayed_ring(tmp_path: Path) -> None:
     """`fedring flower simulate --topology ring`: nodes hold the model, agree on its sha256,
-    and move only ring chunks both ways (no dense model comes down)."""
+    and move only ring chunks both ways (no dense model comes down after enrolment)."""
     exe = Path(sys.executable).with_name("fedring")
     args = ["flower", "simulate", "--topology", "ring", "--clients", "2", "--rounds", "2",
             "--eval-every", "1", "--cpus", "2", "--timeout", "240", "--json"]  # fmt: skip
@@ -92,4 +92,8 @@ def test_training_over_the_relayed_ring(tmp_path: Path) -> None:
     assert len(s["model_sha256_final"]) == 64  # one hash: every node reported the same model
     dense = s["dense_equivalent_uplink_bytes_per_client"]
     assert 0 < s["uplink_bytes_per_client"] * 10 < dense
-    assert 0 < s["downlink_bytes_per_client"] * 10 < dense
+    # Down: the initial parameters once at enrolment (SEEDS A), then only ring chunks.
+    model = 4 * s["params"]
+    enrol = s["enrol_downlink_bytes_total"] / 2
+    assert 0.8 * model < enrol < 1.2 * model  # deflated
+    assert 0 < (s["downlink_bytes_per_client"] - enrol) * 10 < dense

@@ -17,7 +17,7 @@ import pytest
 from fedring.config import JobSpec
 from fedring.sim.runner import simulate
 from fedring.transport.mosquitto import Mosquitto
-from tests.mqtt.conftest import Fleet, coordinator, finish, wait_for
+from tests.mqtt.conftest import Fleet, coordinator, finish
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "examples" / "own_model.toml"
@@ -58,19 +58,26 @@ def test_own_task_over_mqtt_matches_in_process_and_its_dense_run(
     assert "onnx" in summary and "error" not in summary["onnx"]
 
 
-def test_an_agent_that_does_not_allow_the_module_refuses_the_job(
+def test_an_agent_that_does_not_allow_the_module_refuses_and_the_job_fails_clearly(
     importable: None, broker: Mosquitto, tmp_path: Path
 ) -> None:
+    """Never a silent shrink: with one of two agents refusing, the coordinator exits 1
+    naming the agent and its reason instead of training on the other alone."""
     fleet = Fleet(broker.url, tmp_path / "logs", {"allowed": ALLOW})
     job = tmp_path / "job.toml"
     job.write_text(JOB.read_text().replace("agents = 4", "agents = 2"))
     try:
         fleet.start("allowed")
         fleet.start("strict")
-        proc = coordinator(broker.url, job, tmp_path / "run", "--enrol-timeout", "20")
-        wait_for(lambda: "refused the job" in fleet.log("strict"), 60, "the refusal")
-        proc.kill()
-        proc.wait(10)
+        proc = coordinator(broker.url, job, tmp_path / "run", "--enrol-timeout", "60")
+        try:
+            code = proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     finally:
         fleet.stop()
     assert "module 'examples.own_model' is not allowed on this agent" in fleet.log("strict")
+    log = " ".join((tmp_path / "run-coordinator.log").read_text().split())  # rich wraps lines
+    assert code == 1, log
+    assert "1 of the 2 agents the job needs are left after 1 refused it (strict: refused" in log
