@@ -208,6 +208,10 @@ class JobSpec:
             data = tomllib.loads(p.read_text())
         except FileNotFoundError:
             raise SpecError(f"job file {str(p)!r} does not exist") from None
+        except IsADirectoryError:
+            raise SpecError(f"job file {str(p)!r} is a directory, not a TOML file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecError(f"job file {str(p)!r} cannot be read: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise SpecError(f"job file {str(p)!r} is not valid TOML: {exc}") from None
         table = data.get("job", data)

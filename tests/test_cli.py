@@ -80,3 +80,24 @@ def test_coordinator_refuses_star_jobs_before_connecting(tmp_path) -> None:  # t
     )
     assert result.exit_code == 2
     assert "star aggregator" in result.output
+
+
+def test_coordinator_given_a_directory_exits_2_naming_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    result = runner.invoke(app, ["coordinator", "run", str(tmp_path), "--broker", "mqtt://x:1"])
+    assert result.exit_code == 2, result.output
+    assert "is a directory, not a TOML file" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_resume_from_a_garbage_checkpoint_exits_2_before_any_broker(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    job = tmp_path / "job.toml"
+    job.write_text("[job]\nagents = 2\n")
+    (tmp_path / "checkpoint.pt").write_bytes(bytes(range(256)) * 4)  # not a torch file
+    args = ["coordinator", "run", str(job), "--broker", "mqtt://127.0.0.1:1", "--resume",
+            "--out", str(tmp_path)]  # fmt: skip
+    result = runner.invoke(app, args)  # port 1: had it connected first, it would say so
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "unreadable: not a fedring checkpoint" in text and "weights_only=False" not in text
+    export = runner.invoke(app, ["export", "onnx", str(tmp_path), "--out", str(tmp_path / "m")])
+    assert export.exit_code == 2 and "not a fedring checkpoint" in " ".join(export.output.split())

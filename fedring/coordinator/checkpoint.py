@@ -1,7 +1,9 @@
 """The coordinator's checkpoint: one file, written atomically after every round.
 
 It holds what `--resume` needs to carry on: the job id and key, the spec, which
-agent holds which shard, the epoch, the round and the parameters at its start.
+agent holds which shard, the epoch, the round and the parameters at its start, and
+the job's history so far (re-formation events, wall seconds); the metrics rows are
+appended to ``metrics.jsonl`` as they arrive.
 Written with `torch.save` to a temporary file then `os.replace`d, so a crash
 leaves the previous checkpoint intact; read with ``torch.load(weights_only=True)``.
 """
@@ -9,6 +11,7 @@ leaves the previous checkpoint intact; read with ``torch.load(weights_only=True)
 from __future__ import annotations
 
 import os
+import pickle  # only for its error type: torch.load(weights_only=True) raises it
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,8 @@ class Checkpoint:
     round: int  # parameters are the state at the start of this round
     params: torch.Tensor | None  # None until the first round completes
     task: dict[str, str] = field(default_factory=dict)  # TaskId: name, version, sha256
+    events: list[dict[str, Any]] = field(default_factory=list)  # re-formations so far
+    wall_s: float = 0.0  # seconds the job has run, over every coordinator process
 
     @property
     def params_sha256(self) -> str:
@@ -50,6 +55,7 @@ class Checkpoint:
             "epoch": self.epoch, "round": self.round,
             "params": self.params if self.params is not None else torch.empty(0),
             "params_sha256": self.params_sha256, "task": self.task,
+            "events": self.events, "wall_s": self.wall_s,
         }  # fmt: skip
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -74,9 +80,16 @@ class Checkpoint:
                 shard_manifest=dict(state["shard_manifest"]), epoch=int(state["epoch"]),
                 round=int(state["round"]), params=params if params.numel() else None,
                 task={str(k): str(v) for k, v in state.get("task", {}).items()},
+                events=[dict(e) for e in state.get("events", [])],
+                wall_s=float(state.get("wall_s", 0.0)),
             )  # fmt: skip
-        except (KeyError, TypeError, ValueError, RuntimeError, EOFError) as exc:
-            raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from exc
+        except (KeyError, TypeError, ValueError, RuntimeError, EOFError, OSError,
+                pickle.UnpicklingError) as exc:  # fmt: skip
+            if isinstance(exc, pickle.UnpicklingError):  # never advise weights_only=False
+                why = "not a fedring checkpoint (torch.load(weights_only=True) refused it)"
+            else:
+                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CheckpointError(f"checkpoint {path} is unreadable: {why}") from exc
         if ck.params_sha256 != state.get("params_sha256", ""):
             raise CheckpointError(f"checkpoint {path}: parameters do not match their sha256")
         return ck

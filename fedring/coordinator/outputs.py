@@ -3,8 +3,9 @@
 - ``model.onnx``: the final checkpoint exported and checked (`onnx_export`); a failed
   check is recorded in the summary (``onnx.error``), never raised, so the other files
   are still written;
-- ``metrics.jsonl``: the ring head's row of every round (after ``--resume``, from
-  there on);
+- ``metrics.jsonl``: the ring head's row of every round, appended as each arrives
+  (so a crashed coordinator keeps its history and ``--resume`` carries it on: rows
+  past the checkpoint's round are dropped and redone), rewritten whole at the end;
 - ``report.md`` and its plots (`fedring.report`);
 - ``summary.json``, written last and atomically.
 """
@@ -22,6 +23,7 @@ from fedring.counters import Counters
 from fedring.report import atomic_write, jsonl, write_report_for
 
 log = logging.getLogger(__name__)
+METRICS = "metrics.jsonl"
 
 
 def export(out: Path, counters: Counters) -> dict[str, Any]:
@@ -36,11 +38,38 @@ def export(out: Path, counters: Counters) -> dict[str, Any]:
         return {"error": str(exc)}
 
 
+def append_row(out: Path, row: Mapping[str, Any]) -> None:
+    """Add one round's row to ``out/metrics.jsonl`` now (flushed before returning)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / METRICS, "a") as f:
+        f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def load_rows(out: Path, *, up_to: int, keep: bool) -> dict[int, dict[str, Any]]:
+    """The rows a resumed job already has (rounds 1..`up_to`), by round; a new job
+    (`keep` false) starts ``metrics.jsonl`` afresh. Unreadable lines are skipped."""
+    path = out / METRICS
+    if not keep or not path.exists():
+        path.unlink(missing_ok=True)
+        return {}
+    rows: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            log.warning("%s: skipped an unreadable line", path)
+            continue
+        if isinstance(row, dict) and type(row.get("round")) is int and row["round"] <= up_to:
+            rows[row["round"]] = row
+    atomic_write(path, jsonl([rows[r] for r in sorted(rows)]))  # the redone rounds go
+    return rows
+
+
 def write(
     out: Path, spec: JobSpec, summary: dict[str, Any], rows: Sequence[Mapping[str, Any]]
 ) -> dict[str, str]:
     """metrics.jsonl, report.md with its plots, then summary.json; their paths."""
-    metrics = out / "metrics.jsonl"
+    metrics = out / METRICS
     atomic_write(metrics, jsonl(rows))
     command = f"fedring coordinator run (job {summary['job']})"
     paths = write_report_for(out, spec, {**summary, "rows": list(rows)}, command=command)

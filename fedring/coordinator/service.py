@@ -94,18 +94,23 @@ class Coordinator:
         self.refused: dict[str, str] = {}  # agents that cannot take this job -> why
         self.events: list[dict[str, Any]] = []  # wall-clock times of re-formations
         self.t0: float | None = None  # training starts: rows carry "wall_s" since then
+        self.start = time.perf_counter()
+        self.wall_before = 0.0  # seconds earlier coordinator processes ran this job
 
     # -- the job ------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        start = time.perf_counter()
+        self.start = time.perf_counter()
+        saved = Checkpoint.load(self.opts.out) if self.opts.resume else None  # before the broker
         self.link = MqttLink(
             self.cfg, topics.COORDINATOR, control_from=("*",), listen_hellos=True,
             counters=self.counters,
         ).connect()  # fmt: skip
         try:
-            ck = self._resume() if self.opts.resume else self._enrol_and_plan()
+            ck = self._resume(saved) if saved is not None else self._enrol_and_plan()
             self.ck = ck
+            self.wall_before = ck.wall_s
+            self.rows = outputs.load_rows(self.opts.out, up_to=ck.round, keep=saved is not None)
             self.codec.key = ck.key
             self._publish_manifest("running")
             members = self._members()
@@ -115,7 +120,7 @@ class Coordinator:
                     raise CoordinatorError("no agent holding a shard is online")
                 ep = _Epoch(epoch, members, ck.round)
                 if self._segment(ep):
-                    return self._finish(ep, time.perf_counter() - start)
+                    return self._finish(ep, self._wall())
                 self.epochs += 1
                 if self.epochs >= self.opts.max_epochs:
                     raise CoordinatorError(f"gave up after {self.epochs} re-formations")
@@ -149,8 +154,13 @@ class Coordinator:
             task=p.task_id.to_dict(),
         )  # fmt: skip
 
-    def _resume(self) -> Checkpoint:
-        ck = Checkpoint.load(self.opts.out)
+    def _wall(self) -> float:
+        """Seconds the job has run, the coordinator processes before this one included."""
+        return self.wall_before + time.perf_counter() - self.start
+
+    def _resume(self, ck: Checkpoint) -> Checkpoint:
+        why = f"coordinator resumed from round {ck.round}"
+        self.events = [*ck.events, {"t": time.time(), "epoch": ck.epoch, "why": why}]
         log.info("resuming job %s from round %d (epoch %d)", ck.job, ck.round, ck.epoch)
         self.spec = JobSpec.from_mapping(ck.spec)
         deadline = Deadline.after(self.opts.enrol_timeout_s)
@@ -281,6 +291,7 @@ class Coordinator:
                 row = {**row, "wall_s": round(time.perf_counter() - self.t0, 4)}
             self.last_row = row
             self.rows[rnd] = {k: v for k, v in row.items() if k != "sha256"}
+            outputs.append_row(self.opts.out, self.rows[rnd])  # a crash keeps the history
             if self.opts.on_round is not None:
                 self.opts.on_round(rnd - 1, row)
             return True
@@ -298,6 +309,7 @@ class Coordinator:
             log.error("checkpoint of round %d from %s: sha256 mismatch", msg.round, msg.src)
             return
         self.ck.params, self.ck.round, self.ck.epoch = params, msg.round, ep.number
+        self.ck.events, self.ck.wall_s = self.events, self._wall()
         self.ck.save(self.opts.out)
         # The head waits for this before starting the round: agents never get more
         # than one round ahead of what a restarted coordinator can resume from.

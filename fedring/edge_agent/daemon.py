@@ -99,6 +99,7 @@ class AgentDaemon:
         self.endpoint: MqttEndpoint | None = None  # the worker's job: its ring bytes, all epochs
         self.link_bytes_at_job = 0  # everything this agent published since the job began
         self.running: _Running | None = None
+        self.counters_at_job: dict[str, int] = {}
         self.awaiting: Segment | None = None  # manifest received, checkpoint model not yet
         self.jobs_done = 0
 
@@ -189,6 +190,7 @@ class AgentDaemon:
                 assert self.link is not None
                 self.endpoint = self.link.endpoint(seg.job)
                 self.link_bytes_at_job = self.link.stats.bytes_sent
+                self.counters_at_job = self.counters.snapshot()  # bye reports this job's
         except (KeyError, TypeError, ValueError, SpecError, ShardError, DatasetError) as exc:
             self.counters.add("job_refused")
             log.error("%s refused the job: %s", self.me, exc)
@@ -203,6 +205,9 @@ class AgentDaemon:
 
     def _on_model(self, msg: ControlMessage) -> None:
         seg, worker = self.awaiting, self.worker
+        if seg is None and self.running is not None and (
+            msg.job, msg.round) == (self.running.seg.job, self.running.seg.start_round):
+            return  # this agent resumed from its own snapshot of that round: not needed
         if seg is None or worker is None or msg.job != seg.job or msg.round != seg.start_round:
             self.counters.add("model_unexpected")
             return
@@ -262,7 +267,7 @@ class AgentDaemon:
                 result["ring_bytes_sent"] = endpoint.stats.bytes_sent
                 # Up to here: the bye itself and what follows are not counted.
                 result["link_bytes_sent"] = link.stats.bytes_sent - self.link_bytes_at_job
-                result["counters"] = self.counters.snapshot()
+                result["counters"] = self._job_counters()
                 result["threads"] = threading.active_count()
                 self._send(seg.job, "bye", result)
             except CollectiveError as exc:
@@ -282,6 +287,12 @@ class AgentDaemon:
         log.info("%s: epoch %d, ring %s, from round %d", self.me, seg.epoch,
                  seg.members, seg.start_round)  # fmt: skip
         run.thread.start()
+
+    def _job_counters(self) -> dict[str, int]:
+        """What the counters gained since this job's first manifest (non-zero only)."""
+        before = self.counters_at_job
+        now = self.counters.snapshot()
+        return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
     def _halt(self, why: str) -> None:
         run = self.running

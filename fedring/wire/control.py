@@ -114,7 +114,10 @@ class ControlCodec:
         except FrameError as exc:
             if exc.reason is not FrameReason.BAD_MAC or self.key is None:
                 raise
-            frame = decode_frame(data, None, self.limits)  # unsigned: a new enrolment?
+            try:
+                frame = decode_frame(data, None, self.limits)  # unsigned: a new enrolment?
+            except FrameError:
+                raise exc from None  # signed with another key: say so, not "no key here"
             if frame.kind != "manifest":
                 raise
             return frame, False

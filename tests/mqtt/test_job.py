@@ -6,6 +6,7 @@ end the module with as many threads as they had after the first job.
 
 from __future__ import annotations
 
+import json
 import runpy
 import signal
 import subprocess
@@ -151,8 +152,10 @@ def test_coordinator_killed_and_resumed_loses_at_most_one_round(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
     job = job_file(tmp_path, rounds=300, target=0.0)
+    began = time.monotonic()
     proc, out = _started(broker, job, tmp_path, 40)
     before = fleet.log("a0").count("stopped at round")
+    first_run_s = time.monotonic() - began
     proc.kill()
     proc.wait(10)
     saved = _checkpoint_round(out)
@@ -163,6 +166,12 @@ def test_coordinator_killed_and_resumed_loses_at_most_one_round(
     assert stopped and stopped[-1] - saved <= 1  # at most one round redone
     assert summary["rounds"] == 300 and summary["identical_models"]
     assert summary["model_hashes"] == [_fault_free_hash(job)]  # states restored exactly
+    # The history survives the crash: every round's row once, the resume among the
+    # events, and the wall time of both coordinator processes.
+    rounds = [json.loads(line)["round"] for line in (out / "metrics.jsonl").open()]
+    assert rounds == list(range(1, 301))
+    assert any(e["why"].startswith("coordinator resumed from round") for e in summary["events"])
+    assert summary["wall_seconds"] > 0.5 * first_run_s
     _threads(summary)
 
 
@@ -171,7 +180,14 @@ def test_daemons_keep_their_thread_count_and_stop_cleanly(
 ) -> None:
     for i in range(2):  # two more jobs on the same daemons, whatever ran before
         job = job_file(tmp_path / f"j{i}")
-        _threads(finish(coordinator(broker.url, job, tmp_path / f"j{i}" / "run")))
+        summary = finish(coordinator(broker.url, job, tmp_path / f"j{i}" / "run"))
+        _threads(summary)
+        # Counters are this job's: not the garbage an earlier test sent, and no
+        # checkpoint model counted as unexpected by agents that resumed on their own.
+        for agent, counts in summary["agent_counters"].items():
+            assert not {"frame_malformed", "frame_unknown_field", "model_unexpected"} & set(
+                counts
+            ), (agent, counts)
     first, last = THREADS[0], THREADS[-1]
     for agent, count in last.items():
         if agent in first:
