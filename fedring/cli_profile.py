@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -44,9 +45,16 @@ def list_cmd(
     if as_json:
         typer.echo(json.dumps({n: _doc(p) for n, p in profiles.items()}, sort_keys=True))
         return
-    table = Table(title="board profiles (* default link; `fedring profile show NAME`)")
+    table = Table(title="board profiles (* default link; `fedring profile show NAME`)",
+                  box=box.SIMPLE_HEAD)  # no side rules: seven columns fit 80 characters
     for col in ("name", "aliases", "cores", "GFLOPS", "budget MB", "wifi Mb/s ms", "eth Mb/s ms"):
-        table.add_column(col, justify="left" if col in ("name", "aliases") else "right")
+        if col == "name":  # the name a user types: never cut, whatever the width
+            table.add_column(col, no_wrap=True, min_width=max(len(n) for n in profiles))
+        elif col == "aliases":  # typed too: wrapped at spaces, never cut with "…"
+            longest = max((len(a) for p in profiles.values() for a in p.aliases), default=1)
+            table.add_column(col, overflow="fold", min_width=longest)
+        else:
+            table.add_column(col, justify="right")
     for p in profiles.values():
         cells = []
         for kind in ("wifi", "ethernet"):

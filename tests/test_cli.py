@@ -101,3 +101,14 @@ def test_resume_from_a_garbage_checkpoint_exits_2_before_any_broker(tmp_path) ->
     assert "unreadable: not a fedring checkpoint" in text and "weights_only=False" not in text
     export = runner.invoke(app, ["export", "onnx", str(tmp_path), "--out", str(tmp_path / "m")])
     assert export.exit_code == 2 and "not a fedring checkpoint" in " ".join(export.output.split())
+
+
+def test_profile_list_never_cuts_a_name_or_alias_at_80_columns() -> None:
+    from fedring.firmware_profiles.schema import builtin_profiles
+
+    result = runner.invoke(app, ["profile", "list"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0 and "…" not in result.output, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    words = set(result.output.replace("│", " ").split())
+    for p in builtin_profiles().values():
+        assert p.name in words and set(p.aliases) <= words, p.name
