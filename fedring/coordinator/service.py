@@ -404,7 +404,10 @@ class Coordinator:
         doc = {"job": self.ck.job, "state": state, "round": self.ck.round,
                "members": sorted(self.ck.shards), "model_sha256": self.ck.model_sha256}  # fmt: skip
         [frame] = self.codec.encode("manifest", self.ck.job, "*", doc)
-        self.link.publish(topics.manifest(self.ck.job), frame, Deadline.after(SEND_S), retain=True)
+        topic, running = topics.manifest(self.ck.job), state == "running"
+        self.link.publish(topic, frame, Deadline.after(SEND_S), retain=running)
+        if not running:  # a finished job leaves nothing retained on the broker
+            self.link.publish(topic, b"", Deadline.after(SEND_S), retain=True)
 
     def _send(
         self, dst: str, kind: str, doc: dict[str, Any], blob: bytes = b"", *,

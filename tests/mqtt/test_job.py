@@ -36,6 +36,20 @@ def _fault_free_hash(job: Path) -> str:
     return digest
 
 
+def _retained(broker: Mosquitto, topic: str) -> list[bytes]:
+    """What the broker still retains on `topic` (read by a fresh subscriber)."""
+    got: list[bytes] = []
+    spy = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="retained-spy")
+    spy.on_message = lambda _c, _u, m: got.append(bytes(m.payload)) if m.retain else None
+    spy.connect("127.0.0.1", broker.port)
+    spy.subscribe(topic, qos=1)
+    spy.loop_start()
+    time.sleep(1.0)  # a retained message arrives right after the subscription
+    spy.loop_stop()
+    spy.disconnect()
+    return got
+
+
 def _checkpoint_round(out: Path) -> int:
     path = out / "checkpoint.pt"
     return Checkpoint.load(out).round if path.exists() else -1
@@ -63,6 +77,7 @@ def test_four_agents_reach_95_percent_with_the_simulator_and_library_hash(
     library = runpy.run_path(str(LIBRARY_EXAMPLE))["main"](rounds=600, target=0.95)
     assert summary["model_hashes"] == [_fault_free_hash(job)] == library["hashes"]
     assert (tmp_path / "run" / "summary.json").exists()
+    assert _retained(broker, f"fedring/v1/jobs/{summary['job']}/manifest") == []  # cleared
     # The last checkpoint is the agents' final model, and it ships as checked ONNX.
     assert Checkpoint.load(tmp_path / "run").params_sha256 == summary["model_hashes"][0]
     onnx = summary["onnx"]
