@@ -85,9 +85,13 @@ def as_sent(aggregated: ArrayRecord, sent: ArrayRecord) -> ArrayRecord:
     Averaging makes floats of integer arrays (FedAvg: ``int64 * weight``); those
     are rounded first, so a step counter averaged over nodes that all took the
     same steps comes back exact. Arrays `sent` does not hold are kept as they are.
+    The order is `sent`'s (then the others): FedAvg keeps its first reply's order, and
+    the next round's compressed entries, residual included, follow the global model's.
     """
     out: dict[str, Array] = {}
-    for k, a in aggregated.items():
+    order = [k for k in sent if k in aggregated] + [k for k in aggregated if k not in sent]
+    for k in order:
+        a = aggregated[k]
         dtype = np.dtype(sent[k].dtype) if k in sent else np.dtype(a.dtype)
         if dtype == np.dtype(a.dtype):
             out[k] = a

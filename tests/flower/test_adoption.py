@@ -24,7 +24,13 @@ from flwr.serverapp.strategy import (
 )
 
 from fedring.flower.metering import MeteredGrid
-from fedring.flower.mod import RECORD, CompressedUplinks, UplinkMismatch, group_topk_mod
+from fedring.flower.mod import (
+    RECORD,
+    CompressedUplinks,
+    UplinkMismatch,
+    as_sent,
+    group_topk_mod,
+)
 from tests.flower.inproc_grid import InProcessGrid
 
 NODES = 2
@@ -149,6 +155,14 @@ def test_a_reply_in_another_key_order_gives_the_same_model() -> None:
     assert_compressed_and_learned(got, grid)
     for k in want:
         np.testing.assert_array_equal(got[k].numpy(), want[k].numpy())
+
+
+def test_the_global_model_keeps_the_order_it_was_sent_in() -> None:
+    """FedAvg keeps its first reply's order; a plain node replying in another order
+    must not reorder the global model, or the next round's residuals would shift."""
+    sent = initial()
+    averaged = ArrayRecord({k: sent[k] for k in reversed(list(sent))})
+    assert list(as_sent(averaged, sent)) == ["w", "b", "steps"]
 
 
 def test_a_reply_with_an_extra_array_fails_the_run_naming_the_fix() -> None:
