@@ -3,8 +3,9 @@
     fedring flower simulate --clients 8 --dataset digits --rounds 20 --json
 
 Flags are those of `fedring simulate` (a TOML job file works too), plus
-`--clients` (the number of simulated SuperNodes), `--downlink`, `--timeout` (the
-whole run) and `--cpus` (what Ray may use; each client takes one). Flower and Ray
+`--clients` (the number of simulated SuperNodes), `--downlink`, `--round-timeout`,
+`--enrol-timeout` (the nodes' start and enrolment), `--timeout` (the whole run) and
+`--cpus` (what Ray may use; each client takes one). Flower and Ray
 are imported only when a command runs, so the rest of the CLI works without them.
 """
 
@@ -74,6 +75,9 @@ def simulate_cmd(
         0.5, help="local mode: FedAvgM momentum of the ServerApp."
     ),
     round_timeout: float = typer.Option(120.0, help="Seconds the ServerApp waits for a round."),
+    enrol_timeout: float = typer.Option(
+        300.0, help="Seconds the ServerApp waits for the nodes and their enrolment."
+    ),
     timeout: float = typer.Option(
         900.0, min=1.0, help="Seconds for the whole run; then it is stopped."
     ),
@@ -83,8 +87,8 @@ def simulate_cmd(
 ) -> None:
     """Train on Flower's simulation engine: ClientApps on Ray, fedring's ServerApp."""
     given = {k: v for k, v in locals().items() if v is not None}  # before any other local
-    skip = ("config", "out", "as_json", "downlink", "server_momentum", "round_timeout", "timeout",
-            "cpus", "clients")  # fmt: skip
+    skip = ("config", "out", "as_json", "downlink", "server_momentum", "round_timeout",
+            "enrol_timeout", "timeout", "cpus", "clients")  # fmt: skip
     flags = {k: v for k, v in given.items() if k not in skip}
     if clients is not None:
         flags["agents"] = clients
@@ -95,7 +99,7 @@ def simulate_cmd(
     try:
         base = {**FLOWER_DEFAULTS, **flags}
         spec = JobSpec.from_toml(config, base) if config else JobSpec.from_mapping(base)
-        job = FlowerJob(spec, downlink, round_timeout, server_momentum)
+        job = FlowerJob(spec, downlink, round_timeout, server_momentum, enrol_timeout)
     except ValueError as exc:
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
@@ -103,6 +107,8 @@ def simulate_cmd(
         try:
             summary = simulate(job, out or Path(tmp), timeout_s=timeout, cpus=cpus)
         except SimulationError as exc:
+            if as_json:  # still one JSON object, as promised
+                typer.echo(json.dumps({"status": f"failed: {exc}", "clients": spec.agents}))
             err.print(f"[red]run failed: {escape(str(exc))}[/red]")
             raise typer.Exit(1) from None
     brief = {k: v for k, v in summary.items() if k != "rows"}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -87,3 +88,22 @@ def initial_params(blob: bytes) -> torch.Tensor:
     if not isinstance(blob, bytes) or len(blob) % 4:
         raise ValueError(f"enrol 'initial.params': {type(blob).__name__} of {len(blob)} bytes")
     return torch.from_numpy(np.frombuffer(blob, dtype="<f4").astype(np.float32))
+
+
+def job_from_run_config(values: dict[str, Any]) -> tuple[FlowerJob, Path | None]:
+    """A FlowerJob from `flwr run --run-config` values; SpecError names a bad field."""
+    fields = dict(values)
+    out = fields.pop("out", None)
+    downlink = str(fields.pop("downlink", "dense"))
+    timeout = _number(fields.pop("round_timeout_s", 120.0), "round_timeout_s")
+    momentum = _number(fields.pop("server_momentum", 0.5), "server_momentum")
+    enrol_s = _number(fields.pop("enrol_timeout_s", 300.0), "enrol_timeout_s")
+    fields.setdefault("topology", "star")
+    job = FlowerJob(JobSpec.from_mapping(fields), downlink, timeout, momentum, enrol_s)
+    return job, Path(str(out)) if out else None
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SpecError(f"field {name!r}={value!r} must be a number")
+    return float(value)

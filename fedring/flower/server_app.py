@@ -26,11 +26,11 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedring.build import plan
 from fedring.compression.payload import Payload
-from fedring.config import JobSpec, SpecError
+from fedring.config import JobSpec
 from fedring.engine.plan import Plan
 from fedring.flower import carrier
 from fedring.flower.client_app import SERVER, node_name
-from fedring.flower.job import FlowerJob, initial_bytes, spec_to_config
+from fedring.flower.job import FlowerJob, initial_bytes, job_from_run_config, spec_to_config
 from fedring.flower.metering import MeteredGrid
 from fedring.flower.ring_job import RoundsOutcome, ring_rounds
 from fedring.flower.star import GlobalModel
@@ -39,7 +39,7 @@ Summary = dict[str, Any]
 
 
 class RunFailed(RuntimeError):
-    """The run could not go on: no node enrolled, or a round without any reply."""
+    """The run could not go on: too few nodes enrolled, or a round without any reply."""
 
 
 def wait_for_nodes(grid: Grid, n: int, timeout_s: float) -> list[int]:
@@ -55,9 +55,9 @@ def wait_for_nodes(grid: Grid, n: int, timeout_s: float) -> list[int]:
 
 def enrol(
     grid: Grid, spec: JobSpec, p: Plan, nodes: list[int], timeout_s: float
-) -> dict[int, int]:
+) -> dict[int, int]:  # fmt: skip
     """Send every node the job, the plan and the initial parameters; return node id ->
-    rank of those that agree."""
+    rank of those that agree. `RunFailed` names every node that refused or stayed silent."""
     m = p.manifest
     plan_cfg = ConfigRecord({
         "dataset": m.dataset, "scheme": m.scheme, "seed": m.seed, "n_agents": m.n_agents,
@@ -70,7 +70,8 @@ def enrol(
             for n in nodes]  # fmt: skip
     ranks: dict[int, int] = {}
     problems: list[str] = []
-    for reply in grid.send_and_receive(msgs, timeout=timeout_s):
+    replies = list(grid.send_and_receive(msgs, timeout=timeout_s))
+    for reply in replies:
         node = reply.metadata.src_node_id
         if reply.has_error():
             problems.append(f"node {node}: {reply.error.reason}")
@@ -81,6 +82,12 @@ def enrol(
             continue
         ranks[node] = rank
     if len(ranks) < spec.agents:
+        replied = {r.metadata.src_node_id for r in replies}
+        silent = [n for n in nodes if n not in replied]
+        if silent:
+            problems.append(f"node{'s' if len(silent) > 1 else ''} "
+                            f"{', '.join(map(str, silent))}: no reply within the "
+                            f"{timeout_s:g} s enrolment deadline")  # fmt: skip
         raise RunFailed(f"{len(ranks)} of {spec.agents} nodes enrolled: " + "; ".join(problems))
     return ranks
 
@@ -108,8 +115,11 @@ def run_job(grid: Grid, job: FlowerJob) -> Summary:
     metered = MeteredGrid(grid)
     p = plan(spec)
     model = GlobalModel(job, p)
-    nodes = wait_for_nodes(metered, spec.agents, job.enrol_timeout_s)
-    ranks = enrol(metered, job.spec, p, nodes, job.enrol_timeout_s)
+    try:
+        nodes = wait_for_nodes(metered, spec.agents, job.enrol_timeout_s)
+        ranks = enrol(metered, job.spec, p, nodes, job.enrol_timeout_s)
+    except RunFailed as exc:  # a summary all the same: the CLI's --json prints it
+        return _not_started(job, str(exc), metered, model.numel, time.perf_counter() - start)
     enrol_bytes = metered.totals()
     if spec.topology == "ring":
         out = ring_rounds(metered, job, ranks, model.numel)
@@ -135,6 +145,17 @@ def run_job(grid: Grid, job: FlowerJob) -> Summary:
         "failures": out.failures,
         "rows": out.rows,
     }
+
+
+def _not_started(job: FlowerJob, reason: str, metered: MeteredGrid, numel: int,
+                 wall_s: float) -> Summary:  # fmt: skip
+    """The summary of a run that failed before its first round."""
+    return {
+        "status": f"failed: {reason}", "final_accuracy": float("nan"), "rounds": 0,
+        "clients": job.spec.agents, "layout": f"flower-{job.spec.topology}", **metered.totals(),
+        "dense_equivalent_uplink_bytes_per_client": 0.0, "params": numel,
+        "wall_seconds": wall_s, "evals": [], "failures": [], "rows": [],
+    }  # fmt: skip
 
 
 def star_rounds(
@@ -259,25 +280,6 @@ def make_server_app(job: FlowerJob, on_summary: Callable[[Summary], None] | None
         serve(grid, job, out, on_summary)
 
     return server
-
-
-def job_from_run_config(values: dict[str, Any]) -> tuple[FlowerJob, Path | None]:
-    """A FlowerJob from `flwr run --run-config` values; SpecError names a bad field."""
-    fields = dict(values)
-    out = fields.pop("out", None)
-    downlink = str(fields.pop("downlink", "dense"))
-    timeout = _number(fields.pop("round_timeout_s", 120.0), "round_timeout_s")
-    momentum = _number(fields.pop("server_momentum", 0.5), "server_momentum")
-    enrol_s = _number(fields.pop("enrol_timeout_s", 300.0), "enrol_timeout_s")
-    fields.setdefault("topology", "star")
-    job = FlowerJob(JobSpec.from_mapping(fields), downlink, timeout, momentum, enrol_s)
-    return job, Path(str(out)) if out else None
-
-
-def _number(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise SpecError(f"field {name!r}={value!r} must be a number")
-    return float(value)
 
 
 app = ServerApp()

@@ -50,13 +50,14 @@ def backend_config(cpus: int) -> dict[str, Any]:
 def job_to_json(job: FlowerJob) -> str:
     return json.dumps({"spec": job.spec.resolved(), "downlink": job.downlink,
                        "round_timeout_s": job.round_timeout_s,
-                       "server_momentum": job.server_momentum})  # fmt: skip
+                       "server_momentum": job.server_momentum,
+                       "enrol_timeout_s": job.enrol_timeout_s})  # fmt: skip
 
 
 def job_from_json(text: str) -> FlowerJob:
     d = json.loads(text)
     return FlowerJob(JobSpec.from_mapping(d["spec"]), d["downlink"], d["round_timeout_s"],
-                     d["server_momentum"])  # fmt: skip
+                     d["server_momentum"], d["enrol_timeout_s"])  # fmt: skip
 
 
 def run_in_process(job: FlowerJob, out: Path, cpus: int) -> None:

@@ -1,4 +1,5 @@
-"""ClientApp: plain Flower, except the one line marked `fedring`."""
+"""ClientApp: plain Flower, except two of the four lines of the adoption: the import of
+`group_topk_mod` and the line marked `fedring`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The same app, plain and with fedring's two lines, with the ServerApp's grid metered.
+"""The same app, plain and with fedring's four lines, with the ServerApp's grid metered.
 
 For `bench/flower_vs_fedavg.py` and the tests: both variants share `client_app.train`,
-`server_app.fedavg` and `server_app.run`; only the two adoption lines differ. The
+`server_app.fedavg` and `server_app.run`; only the adoption lines differ. The
 ServerApp writes accuracy and the bytes counted on the messages (deflated Flower
 objects, as `fedring.flower.metering` explains) to ``$FEDRING_FLOWER_OUT/summary.json``.
 ``FEDRING_FLOWER_ROUNDS`` and ``FEDRING_FLOWER_CLIENTS`` stand in for the run

@@ -1,4 +1,5 @@
-"""ServerApp: plain Flower FedAvg, except the one line marked `fedring`."""
+"""ServerApp: plain Flower FedAvg, except two of the four lines of the adoption: the
+import of `CompressedUplinks` and the line marked `fedring`."""
 
 from __future__ import annotations
 
