@@ -3,9 +3,10 @@
 Digits, MLP (17,226 parameters), iid shards, the same initial model and the same
 local work on every client (H = 12 momentum-SGD steps of 32 samples, lr 0.05):
 
-- plain Flower FedAvg (`examples/flower_app` without its two fedring lines): dense
+- plain Flower FedAvg (`examples/flower_app` without its four fedring lines): dense
   fp32 models both ways;
-- the same app with the two lines (`group_topk_mod` + `CompressedUplinks`);
+- the same app with the four fedring lines (import and add `group_topk_mod`, import and
+  wrap the strategy in `CompressedUplinks`);
 - fedring's ServerApp (`fedring flower simulate`): compressed star, group-top-k 1%
   fp16 + error feedback on the uplink, FedAvgM (server momentum 0.5), dense delta down;
 - fedring's best configuration: the same star run longer (`--fedring-long-rounds`),
@@ -68,7 +69,7 @@ def main() -> None:
         t = Path(tmp)
         runs = {
             "plain Flower FedAvg (dense)": example("plain", args.clients, args.rounds, t / "p"),
-            "FedAvg + two fedring lines": example("compressed", args.clients, args.rounds, t / "c"),
+            "FedAvg + four fedring lines": example("compressed", args.clients, args.rounds, t / "c"),
             "fedring ServerApp, star": star(args.clients, args.rounds, t / "s"),
             f"fedring star, {args.fedring_long_rounds} rounds": star(
                 args.clients, args.fedring_long_rounds, t / "l"
