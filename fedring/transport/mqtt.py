@@ -345,6 +345,9 @@ class MqttLink:
                     f"name {self.cfg.host!r}?)")  # fmt: skip
         if "CERTIFICATE_REQUIRED" in error:
             return " (the broker wants a client certificate: give --cert and --key)"
+        if "EOF occurred" in error:  # the broker's alert lost in the race with its close
+            return (" (the broker closed the TLS session unanswered: does it want a client "
+                    "certificate? give --cert and --key, signed by a CA it trusts)")  # fmt: skip
         if "UNKNOWN_CA" in error or "BAD_CERTIFICATE" in error:
             return f" (the broker does not trust the client certificate --cert {self.cfg.cert!r})"
         return ""
@@ -352,7 +355,8 @@ class MqttLink:
     def _on_log(self, _c: mqtt.Client, _u: Any, level: int, text: str) -> None:
         """Before the first CONNACK, a TLS error on the socket is the broker's answer: a
         missing client certificate shows only here, when the broker's alert is read."""
-        if level == mqtt.MQTT_LOG_ERR and "SSL" in text and not self._connack_ready.is_set():
+        tls = "SSL" in text or "_ssl.c" in text
+        if level == mqtt.MQTT_LOG_ERR and tls and not self._connack_ready.is_set():
             self._connack = (False, f"TLS: {text}")
             self._connack_ready.set()
 
@@ -387,7 +391,7 @@ class MqttLink:
         self._connected.clear()
         with self._lock:
             self._drops += 1
-        if not self._closed:
+        if not self._closed and self._connack is not None and self._connack[0]:
             self.counters.add("mqtt_disconnect")
             log.warning("%s lost the broker %s (%s); reconnecting", self.me, self.cfg.url, rc)
 

@@ -11,12 +11,11 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
-
-from fedring.transport.base import Deadline
-from fedring.transport.mosquitto import Mosquitto
 from typer.testing import CliRunner
 
 from fedring.cli import app
+from fedring.transport.base import Deadline
+from fedring.transport.mosquitto import Mosquitto
 from fedring.transport.mqtt import BrokerConfig, BrokerRefused, IdentityMismatch, MqttLink
 from tests.mqtt.conftest import MISSING
 
@@ -150,7 +149,7 @@ def test_no_user_can_take_over_an_agents_client_id(secured: Mosquitto) -> None:
 
 def test_an_id_that_is_not_the_user_name_is_refused() -> None:
     cfg = BrokerConfig.parse("mqtt://127.0.0.1:1", username="a1", password="pw-1")
-    with pytest.raises(IdentityMismatch, match="'a5'.*'a1'"):
+    with pytest.raises(IdentityMismatch, match=r"'a5'.*'a1'"):
         MqttLink(cfg, "a5")
     args = ["agent", "--broker", "mqtt://127.0.0.1:1", "--id", "a5", "--username", "a1"]
     result = CliRunner().invoke(app, args)

@@ -39,7 +39,8 @@ def _signed(d: Path, name: str, ca: str, san: str) -> None:
                          check=True, capture_output=True).stdout  # fmt: skip
     subprocess.run(["openssl", "x509", "-req", "-CA", d / f"{ca}.crt", "-CAkey", d / f"{ca}.key",
                     "-CAcreateserial", "-days", "2", "-copy_extensions", "copy",
-                    "-out", d / f"{name}.crt"], input=csr, check=True, capture_output=True)  # fmt: skip
+                    "-out", d / f"{name}.crt"],
+                   input=csr, check=True, capture_output=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_a_missing_client_certificate_is_a_fast_tls_error(
 
 def test_a_missing_ca_file_is_named(tls_broker: Mosquitto) -> None:
     cfg = BrokerConfig.parse(tls_broker.url, ca="/nonexistent/ca.crt")
-    with pytest.raises(BrokerTlsError, match="--ca '/nonexistent/ca.crt': no such file"):
+    with pytest.raises(BrokerTlsError, match=r"--ca '/nonexistent/ca\.crt': no such file"):
         MqttLink(cfg, "a1").connect()
 
 
