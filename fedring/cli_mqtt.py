@@ -69,16 +69,25 @@ _USER = typer.Option(None, "--username", help="Broker user name (one per agent).
 _PWFILE = typer.Option(
     None, "--password-file", help="File holding the broker password (or $FEDRING_MQTT_PASSWORD)."
 )
-_CA = typer.Option(None, "--ca", help="CA bundle that signed the broker's certificate (TLS).")
-_CERT = typer.Option(None, "--cert", help="Client certificate (TLS client auth).")
-_KEY = typer.Option(None, "--key", help="Client private key (TLS client auth).")
-_KEEPALIVE = typer.Option(
-    5, "--keepalive", min=2, max=600, help="MQTT keep-alive, seconds; loss is seen within 1.5x."
-)
-_AGENT_KEEPALIVE = typer.Option(
-    None, "--keepalive", min=2, max=600,
-    help="MQTT keep-alive, seconds; loss is seen within 1.5x. [the profile's]",
+# exists=True: a missing file is a usage error (exit 2) that names the option.
+_CA = typer.Option(
+    None, "--ca", exists=True, dir_okay=False,
+    help="CA bundle that signed the broker's certificate (TLS).",
 )  # fmt: skip
+_CERT = typer.Option(
+    None, "--cert", exists=True, dir_okay=False, help="Client certificate (TLS client auth)."
+)
+_KEY = typer.Option(
+    None, "--key", exists=True, dir_okay=False, help="Client private key (TLS client auth)."
+)
+_KEEPALIVE_HELP = (
+    "MQTT keep-alive, seconds; a hung peer is seen lost 1.5x this after its last packet, "
+    "plus up to 5 s (Mosquitto 2.0 checks keep-alives every 5 s)."
+)
+_KEEPALIVE = typer.Option(5, "--keepalive", min=2, max=600, help=_KEEPALIVE_HELP)
+_AGENT_KEEPALIVE = typer.Option(
+    None, "--keepalive", min=2, max=600, help=f"{_KEEPALIVE_HELP} [the profile's]"
+)
 
 
 def agent_cmd(
@@ -113,10 +122,19 @@ def agent_cmd(
     from fedring.edge_agent.daemon import AgentDaemon
     from fedring.firmware_profiles.apply import resolve, settings_for
     from fedring.firmware_profiles.schema import ProfileError
-    from fedring.transport.mqtt import BrokerRefused, BrokerUnreachable
+    from fedring.transport.mqtt import (
+        BrokerRefused,
+        BrokerUnreachable,
+        IdentityMismatch,
+        check_identity,
+    )
     from fedring.transport.topics import TopicError
 
     logging.getLogger().setLevel(min(logging.getLogger().level, logging.INFO))
+    try:
+        check_identity(agent_id, username or None)
+    except IdentityMismatch as exc:
+        raise typer.BadParameter(str(exc), param_hint="--id/--username") from None
     try:
         board, link, why = resolve(profile)
         settings = settings_for(board, link, threads)

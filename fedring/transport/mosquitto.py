@@ -4,7 +4,9 @@
 free port, waits until the port accepts, and stops the broker by PID (SIGTERM,
 then SIGKILL). With `persistence`, a restart keeps sessions, queued QoS 1 messages
 and retained topics. With `users`, it writes a password file (via
-``mosquitto_passwd``) and refuses anonymous clients; `acl` is a path to an ACL file.
+``mosquitto_passwd``), refuses anonymous clients and, as examples/mosquitto.conf
+does, makes each client's id its user name (no one can take over another's id);
+`acl` is a path to an ACL file. With `tls`, the listener speaks TLS only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -40,6 +43,16 @@ def mosquitto_binary() -> str:
     )
 
 
+@dataclass(frozen=True)
+class TlsListener:
+    """The broker's side of TLS: its certificate, and the CA its clients' certificates need."""
+
+    cafile: Path
+    certfile: Path
+    keyfile: Path
+    require_certificate: bool = False  # clients must present a certificate signed by cafile
+
+
 class Mosquitto:
     def __init__(
         self,
@@ -52,6 +65,7 @@ class Mosquitto:
         host: str = "127.0.0.1",
         port: int | None = None,
         prefix: Sequence[str] = (),
+        tls: TlsListener | None = None,
     ) -> None:
         self.binary = mosquitto_binary()
         self.host = host
@@ -64,17 +78,19 @@ class Mosquitto:
         self.users = dict(users or {})
         self.acl = Path(acl) if acl else None
         self.sys_interval = sys_interval
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = self.dir / "mosquitto.log"
 
     @property
     def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
 
     def _write_config(self) -> Path:
         lines = [
             f"listener {self.port} {self.host}",
             "per_listener_settings false",
+            *self._tls_lines(),
             "set_tcp_nodelay true",
             f"allow_anonymous {'false' if self.users else 'true'}",
             "max_inflight_messages 100",
@@ -104,12 +120,19 @@ class Mosquitto:
                     capture_output=True,
                 )
             pw.chmod(0o600)
-            lines.append(f"password_file {pw}")
+            lines += [f"password_file {pw}", "use_username_as_clientid true"]
         if self.acl:
             lines.append(f"acl_file {self.acl}")
         conf = self.dir / "mosquitto.conf"
         conf.write_text("\n".join(lines) + "\n")
         return conf
+
+    def _tls_lines(self) -> list[str]:
+        if self.tls is None:
+            return []
+        t = self.tls
+        return [f"cafile {t.cafile}", f"certfile {t.certfile}", f"keyfile {t.keyfile}",
+                f"require_certificate {'true' if t.require_certificate else 'false'}"]  # fmt: skip
 
     def start(self, timeout: float = 10.0) -> Mosquitto:
         conf = self._write_config()

@@ -35,11 +35,12 @@ import os
 import queue
 import random
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
@@ -73,6 +74,25 @@ class BrokerRefused(TransportError):
     """The broker answered but refused us: credentials, ACL or protocol."""
 
 
+class BrokerTlsError(BrokerRefused):
+    """TLS failed: an unreadable CA/certificate/key file, a broker certificate our CA does
+    not trust, or a broker that wants a client certificate we did not give."""
+
+
+class IdentityMismatch(ValueError):
+    """A link's id differs from its broker user name: the ACL binds inbox sender levels,
+    presence and the client id to the user name, so every publish would be denied."""
+
+
+def check_identity(me: str, username: str | None) -> None:
+    """Refuse an id that is not the user name (anonymous links may use any id)."""
+    if username is not None and username != me:
+        raise IdentityMismatch(
+            f"id {me!r} and broker user name {username!r} differ: the broker binds client "
+            "ids and topics to the user name, so run with --id equal to --username"
+        )
+
+
 @dataclass(frozen=True)
 class BrokerConfig:
     """Where the broker is and how to talk to it.
@@ -91,7 +111,9 @@ class BrokerConfig:
     ca: str | None = None  # CA bundle to verify the broker (TLS)
     cert: str | None = None  # client certificate (TLS, optional)
     key: str | None = None  # client key (TLS, optional)
-    keepalive: int = 5  # seconds; the broker declares us lost after 1.5x this
+    # Seconds. The broker declares a silent client lost once 1.5x this has passed, but
+    # Mosquitto 2.0 runs that check only every 5 s: loss is seen 1.5x + up to 5 s late.
+    keepalive: int = 5
     # 3.1.1 by default: Mosquitto 2.0.11 restores MQTT 5 sessions after a restart
     # without their queued messages (measured: 862 of 2,075 frames lost; 0 with
     # 3.1.1). "auto" tries 5 and falls back to 3.1.1 when the broker refuses it.
@@ -99,7 +121,16 @@ class BrokerConfig:
     max_queued: int = 4096  # outgoing messages held while the broker is slow or away
     session_expiry_s: int = 600  # MQTT 5: the broker keeps our session this long
     will_delay_s: int = 2  # MQTT 5: "lost" goes out this long after an unclean drop
-    lost_grace_s: float = 1.0  # a peer's "lost" counts if our own link stays up this long
+    # A peer's "lost" counts if our own link stays up this long: a broker going down sends
+    # every will, and our own disconnect then voids them.
+    lost_grace_s: float = 0.25
+    reconnect_max_s: float = 8.0  # reconnect backoff cap (it doubles from 1-2 s)
+    # A "lost" read just after our own (re)connect, or a retained one, may be a stale will
+    # of a broker restart: the peer gets this long (its backoff cap, plus its connect) to
+    # come back before it counts.
+    restart_grace_s: float = 12.0
+    max_inbox_bytes: int = 128 * 2**20  # payload bytes held in each incoming queue
+    max_inbox_items: int = 10_000  # items held in each incoming queue
     connect_timeout_s: float = 15.0
 
     @classmethod
@@ -140,6 +171,47 @@ class _Presence:
     pending_lost: dict[str, str] = field(default_factory=dict)  # id -> session, unconfirmed
 
 
+_Item = TypeVar("_Item", Delivery | MembershipEvent | tuple[str, Delivery], Control)
+
+
+def _payload_bytes(item: object) -> int:
+    if isinstance(item, tuple):
+        item = item[1]
+    return len(item.data) if isinstance(item, Delivery | Control) else 0
+
+
+class _Inbox(queue.Queue[_Item], Generic[_Item]):
+    """An incoming queue bounded in items and payload bytes.
+
+    paho's network thread fills it and must never block, so `offer` refuses what does
+    not fit (the caller counts and logs the drop); `get` and the rest are `queue.Queue`'s.
+    """
+
+    def __init__(self, max_items: int, max_bytes: int) -> None:
+        super().__init__()
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self.queued_bytes = 0
+
+    def offer(self, item: _Item) -> bool:
+        size = _payload_bytes(item)
+        with self.not_full:
+            if self._qsize() >= self.max_items or self.queued_bytes + size > self.max_bytes:
+                return False
+            self._put(item)
+            self.unfinished_tasks += 1
+            self.not_empty.notify()
+        return True
+
+    def _put(self, item: _Item) -> None:
+        self.queued_bytes += _payload_bytes(item)
+        self.queue.append(item)
+
+    def _get(self) -> _Item:
+        item = self.queue.popleft()
+        self.queued_bytes -= _payload_bytes(item)
+        return item
+
+
 class MqttLink:
     """One identity's connection to the broker."""
 
@@ -155,12 +227,19 @@ class MqttLink:
     ) -> None:
         self.cfg = cfg
         self.me = topics.check_id("id", me)
+        check_identity(self.me, cfg.username)
         self.job = None if job is None else topics.check_id("job", job)
         self.session = os.urandom(6).hex()
         self.stats = LinkStats()
         self.counters = counters or Counters()
-        self.control: queue.Queue[Control] = queue.Queue()
-        self._data: queue.Queue[Delivery | MembershipEvent | tuple[str, Delivery]] = queue.Queue()
+        self.control: _Inbox[Control] = _Inbox(cfg.max_inbox_items, cfg.max_inbox_bytes)
+        self._data: _Inbox[Delivery | MembershipEvent | tuple[str, Delivery]] = _Inbox(
+            cfg.max_inbox_items, cfg.max_inbox_bytes
+        )
+        # Jobs whose peer frames we hold: ours, those with an open endpoint, and those the
+        # coordinator (whose sender level only it may write) has sent us a frame in.
+        self._jobs: set[str] = set() if job is None else {job}
+        self._reconnected_at = -float("inf")  # monotonic time of our latest reconnect
         self._control_from = frozenset(control_from)
         self._listen_hellos = listen_hellos
         self._presence = _Presence()
@@ -198,9 +277,10 @@ class MqttLink:
         if self.cfg.username is not None:
             client.username_pw_set(self.cfg.username, self.cfg.password)
         if self.cfg.tls:
-            client.tls_set(ca_certs=self.cfg.ca, certfile=self.cfg.cert, keyfile=self.cfg.key)
+            self._tls_set(client)
         # Backoff doubles from ~1 s to 8 s; the jitter keeps a fleet from reconnecting in step.
-        client.reconnect_delay_set(1 + random.random(), 8)  # type: ignore[arg-type]
+        backoff = (1 + random.random(), self.cfg.reconnect_max_s)
+        client.reconnect_delay_set(*backoff)  # type: ignore[arg-type]
         client.max_queued_messages_set(self.cfg.max_queued)
         client.max_inflight_messages_set(100)
         will_props = None
@@ -213,17 +293,25 @@ class MqttLink:
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
+        client.on_log = self._on_log
         self._client = client
         self._connack_ready.clear()
         props = None
         if self._v5:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.cfg.session_expiry_s
+        where = (self.cfg.host, self.cfg.port)
         try:
-            client.connect_async(
-                self.cfg.host, self.cfg.port, keepalive=self.cfg.keepalive, properties=props
-            )
-        except (OSError, ValueError) as exc:
+            if self.cfg.tls:  # the handshake happens here, where its error can be named
+                client.connect(*where, keepalive=self.cfg.keepalive, properties=props)
+            else:
+                client.connect_async(*where, keepalive=self.cfg.keepalive, properties=props)
+        except ssl.SSLError as exc:
+            raise BrokerTlsError(f"TLS handshake with broker {self.cfg.url} failed: {exc}"
+                                 f"{self._tls_hint(str(exc))}") from None  # fmt: skip
+        except OSError:  # not listening yet: paho retries until our deadline
+            client.connect_async(*where, keepalive=self.cfg.keepalive, properties=props)
+        except ValueError as exc:
             raise BrokerUnreachable(f"broker {self.cfg.url}: {exc}") from exc
         client.loop_start()
         if not self._connack_ready.wait(self.cfg.connect_timeout_s):
@@ -235,8 +323,42 @@ class MqttLink:
         ok, reason = self._connack or (False, "no CONNACK")
         if not ok:
             self._stop_client()
+            if reason.startswith("TLS"):
+                raise BrokerTlsError(f"broker {self.cfg.url}: {reason}{self._tls_hint(reason)}")
             who = f" as user {self.cfg.username!r}" if self.cfg.username else " anonymously"
             raise BrokerRefused(f"broker {self.cfg.url} refused {self.me!r}{who}: {reason}")
+
+    def _tls_set(self, client: mqtt.Client) -> None:
+        for option, path in (("--ca", self.cfg.ca), ("--cert", self.cfg.cert),
+                             ("--key", self.cfg.key)):  # fmt: skip
+            if path is not None and not os.path.isfile(path):
+                raise BrokerTlsError(f"{option} {path!r}: no such file")
+        try:
+            client.tls_set(ca_certs=self.cfg.ca, certfile=self.cfg.cert, keyfile=self.cfg.key)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: a bad PEM file
+            files = f"--ca {self.cfg.ca!r}, --cert {self.cfg.cert!r}, --key {self.cfg.key!r}"
+            raise BrokerTlsError(f"cannot load TLS files ({files}): {exc}") from None
+
+    def _tls_hint(self, error: str) -> str:
+        if "CERTIFICATE_VERIFY_FAILED" in error:
+            return (f" (is the broker's certificate signed by --ca {self.cfg.ca!r}, and does it "
+                    f"name {self.cfg.host!r}?)")  # fmt: skip
+        if "CERTIFICATE_REQUIRED" in error:
+            return " (the broker wants a client certificate: give --cert and --key)"
+        if "EOF occurred" in error:  # the broker's alert lost in the race with its close
+            return (" (the broker closed the TLS session unanswered: does it want a client "
+                    "certificate? give --cert and --key, signed by a CA it trusts)")  # fmt: skip
+        if "UNKNOWN_CA" in error or "BAD_CERTIFICATE" in error:
+            return f" (the broker does not trust the client certificate --cert {self.cfg.cert!r})"
+        return ""
+
+    def _on_log(self, _c: mqtt.Client, _u: Any, level: int, text: str) -> None:
+        """Before the first CONNACK, a TLS error on the socket is the broker's answer: a
+        missing client certificate shows only here, when the broker's alert is read."""
+        tls = "SSL" in text or "_ssl.c" in text
+        if level == mqtt.MQTT_LOG_ERR and tls and not self._connack_ready.is_set():
+            self._connack = (False, f"TLS: {text}")
+            self._connack_ready.set()
 
     def _status(self, state: str) -> bytes:
         doc: dict[str, Any] = {"state": state, "session": self.session, "ts": time.time()}
@@ -259,6 +381,7 @@ class MqttLink:
         client.publish(topics.status(self.me), self._status("online"), qos=1, retain=True)
         if self._connack is not None and self._connack[0]:
             self.counters.add("mqtt_reconnect")
+            self._reconnected_at = time.monotonic()
             log.info("%s reconnected to %s", self.me, self.cfg.url)
         self._connack = (True, "")
         self._connected.set()
@@ -268,7 +391,7 @@ class MqttLink:
         self._connected.clear()
         with self._lock:
             self._drops += 1
-        if not self._closed:
+        if not self._closed and self._connack is not None and self._connack[0]:
             self.counters.add("mqtt_disconnect")
             log.warning("%s lost the broker %s (%s); reconnecting", self.me, self.cfg.url, rc)
 
@@ -293,9 +416,13 @@ class MqttLink:
             self.stats.frames_received += 1
             self.stats.bytes_received += len(payload)
             if src in self._control_from or "*" in self._control_from:
-                self.control.put(Control("frame", src, payload, job))
+                if src == topics.COORDINATOR:
+                    self._jobs.add(job)  # it puts us in the job: peers' frames follow
+                self._offer(self.control, Control("frame", src, payload, job), topic)
+            elif job not in self._jobs:
+                self._dropped("inbox_other_job", topic, len(payload))
             else:
-                self._data.put((job, Delivery(src, payload)))
+                self._offer(self._data, (job, Delivery(src, payload)), topic)
             return
         agent = topics.parse_agent_topic(topic)
         if agent is not None:
@@ -303,13 +430,26 @@ class MqttLink:
             if leaf == "status":
                 self._presence_changed(who, payload, retained)
             elif leaf == "hello" and payload:
-                self.control.put(Control("hello", who, payload))
+                self._offer(self.control, Control("hello", who, payload), topic)
             elif leaf == "probe" and who == self.me:
                 self._probe_seen.put(payload)
             return
         parts = topic.split("/")
         if len(parts) == 6 and parts[4] == "metrics":
-            self.control.put(Control("metrics", parts[5], payload, parts[3]))
+            self._offer(self.control, Control("metrics", parts[5], payload, parts[3]), topic)
+
+    def _offer(self, inbox: _Inbox[_Item], item: _Item, what: str) -> None:
+        if not inbox.offer(item):
+            self._dropped("inbox_full", what, _payload_bytes(item))
+
+    def _dropped(self, reason: str, what: str, size: int) -> None:
+        """Count a message we will not hold; log the first and every 1,000th of each reason."""
+        self.counters.add(reason)
+        count = self.counters.get(reason)
+        if count == 1 or count % 1000 == 0:
+            why = "not in its job" if reason == "inbox_other_job" else "incoming queue full"
+            log.warning("%s dropped %d bytes on %s (%s; %d dropped so far)",
+                        self.me, size, what, why, count)  # fmt: skip
 
     def _presence_changed(self, who: str, payload: bytes, retained: bool) -> None:
         if who == self.me:
@@ -338,7 +478,7 @@ class MqttLink:
             elif known is not None and (not session or session == known):
                 if state == "lost":  # confirmed later: a broker going down sends every will
                     self._presence.pending_lost[who] = session
-                    grace = self.cfg.lost_grace_s * (5 if retained else 1)
+                    grace = self._lost_grace(retained)
                     timer = threading.Timer(grace, self._confirm_lost, (who, session, self._drops))
                     timer.daemon = True
                     timer.start()
@@ -346,6 +486,13 @@ class MqttLink:
                     del self._presence.online[who]
                     events.append(MembershipEvent("left", who))
         self._emit(who, events)
+
+    def _lost_grace(self, retained: bool) -> float:
+        """A will read right after our own (re)connect, or a retained one, may be left over
+        from a broker restart (sent on its way down, or queued in our session while it was
+        away): wait for the peer's reconnect. Any other is fresh: the broker saw it die."""
+        settling = time.monotonic() - self._reconnected_at < self.cfg.restart_grace_s
+        return self.cfg.restart_grace_s if retained or settling else self.cfg.lost_grace_s
 
     def _confirm_lost(self, who: str, session: str, drops: int) -> None:
         with self._lock:
@@ -360,8 +507,8 @@ class MqttLink:
     def _emit(self, who: str, events: list[MembershipEvent]) -> None:
         for event in events:
             log.info("%s sees %s %s", self.me, who, event.kind)
-            self._data.put(event)
-            self.control.put(Control("member", who, event=event))
+            self._offer(self._data, event, f"{who} {event.kind}")
+            self._offer(self.control, Control("member", who, event=event), f"{who} {event.kind}")
 
     # -- outgoing -------------------------------------------------------------
 
@@ -421,7 +568,15 @@ class MqttLink:
         self._data.put(MembershipEvent("interrupted", channel_job))
 
     def endpoint(self, job: str) -> MqttEndpoint:
-        return MqttEndpoint(self, job)
+        """The job's `Endpoint`; from now on peers' frames of `job` are held for it."""
+        endpoint = MqttEndpoint(self, job)
+        self._jobs.add(endpoint.job)
+        return endpoint
+
+    @property
+    def queued_bytes(self) -> int:
+        """Payload bytes waiting in the incoming queues (bounded by `max_inbox_bytes` each)."""
+        return self._data.queued_bytes + self.control.queued_bytes
 
     def close(self, state: str = "offline") -> None:
         """Say goodbye (retained status), then disconnect."""

@@ -1,24 +1,29 @@
-"""Passwords and the example ACL on a real Mosquitto: the broker enforces who may do what."""
+"""Passwords, the example ACL and client ids bound to user names on a real Mosquitto:
+the broker enforces who may do what, and who may be whom."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
+from typer.testing import CliRunner
 
+from fedring.cli import app
 from fedring.transport.base import Deadline
 from fedring.transport.mosquitto import Mosquitto
-from fedring.transport.mqtt import BrokerConfig, BrokerRefused, MqttLink
+from fedring.transport.mqtt import BrokerConfig, BrokerRefused, IdentityMismatch, MqttLink
 from tests.mqtt.conftest import MISSING
 
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING or "mosquitto present")
 
-ACL = Path(__file__).resolve().parents[2] / "examples" / "mosquitto.acl"
-USERS = {"coordinator": "pw-c", "a1": "pw-1", "a2": "pw-2"}
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ACL = EXAMPLES / "mosquitto.acl"
+USERS = {"coordinator": "pw-c", "a1": "pw-1", "a2": "pw-2", "mallory": "pw-m"}
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +35,11 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
 class Raw:
     """A bare paho client, to see the broker's answers (SUBACK codes, deliveries)."""
 
-    def __init__(self, port: int, user: str) -> None:
+    def __init__(self, port: int, user: str, client_id: str = "") -> None:
         self.got: list[str] = []
         self.suback: list[int] = []
         self._subbed = threading.Event()
-        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"raw-{user}")
+        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id or f"raw-{user}")
         self.c.username_pw_set(user, USERS[user])
         self.c.on_message = lambda _c, _u, m: self.got.append(m.topic)
         self.c.on_subscribe = self._on_subscribe
@@ -106,15 +111,47 @@ def test_fedring_links_work_under_the_acl(secured: Mosquitto) -> None:
     a1 = MqttLink(_cfg(secured, "a1"), "a1").connect()
     a2 = MqttLink(_cfg(secured, "a2"), "a2").connect()
     try:
+        inbox = a2.endpoint("j")  # a link holds frames only of jobs it is in
         deadline = Deadline.after(5)
         while "a2" not in a1.peers() and not deadline.expired:
             threading.Event().wait(0.05)
         a1.endpoint("j").send("a2", b"frame", Deadline.after(5))
-        got = a2.endpoint("j").recv(Deadline.after(5))
+        got = inbox.recv(Deadline.after(5))
         while not hasattr(got, "data"):
-            got = a2.endpoint("j").recv(Deadline.after(5))
+            got = inbox.recv(Deadline.after(5))
         assert got.src == "a1" and got.data == b"frame"  # type: ignore[union-attr]
         assert a1.probe_bandwidth() > 0  # its own probe topic is allowed
     finally:
         a1.close()
         a2.close()
+
+
+def test_the_example_config_binds_client_ids_to_user_names() -> None:
+    settings = [line.split("#")[0].split() for line in (EXAMPLES / "mosquitto.conf").open()]
+    assert ["use_username_as_clientid", "true"] in settings  # what `secured` runs with
+
+
+def test_no_user_can_take_over_an_agents_client_id(secured: Mosquitto) -> None:
+    a2 = MqttLink(_cfg(secured, "a2"), "a2").connect()
+    thieves = []
+    try:
+        for client_id in ("fedring-a2", "a2"):  # the link's id, and its user name
+            thieves.append(Raw(secured.port, "mallory", client_id=client_id))
+            time.sleep(0.5)
+        assert thieves[-1].subscribe("fedring/v1/agents/+/status") == [1]  # mallory is on
+        assert a2.wait_connected(Deadline.after(0.1))
+        assert a2.counters.get("mqtt_disconnect") == 0
+    finally:
+        for thief in thieves:
+            thief.close()
+        a2.close()
+
+
+def test_an_id_that_is_not_the_user_name_is_refused() -> None:
+    cfg = BrokerConfig.parse("mqtt://127.0.0.1:1", username="a1", password="pw-1")
+    with pytest.raises(IdentityMismatch, match=r"'a5'.*'a1'"):
+        MqttLink(cfg, "a5")
+    args = ["agent", "--broker", "mqtt://127.0.0.1:1", "--id", "a5", "--username", "a1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "'a5'" in result.output and "'a1'" in result.output

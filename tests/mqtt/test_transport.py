@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
 from fedring.transport.base import Deadline, Delivery, MembershipEvent, TransportTimeout
 from fedring.transport.mosquitto import Mosquitto, free_port
@@ -37,6 +43,7 @@ def test_frames_arrive_with_the_sender_named_by_the_topic(broker: Mosquitto, pro
     cfg = BrokerConfig.parse(broker.url, protocol=protocol)
     a, b = MqttLink(cfg, "a").connect(), MqttLink(cfg, "b").connect()
     try:
+        b.endpoint("j")  # b is in job "j" only: a link holds frames of its jobs alone
         _wait_peer(a, "b")
         a.endpoint("j").send("b", b"payload", Deadline.after(5))
         a.endpoint("other").send("b", b"elsewhere", Deadline.after(5))
@@ -47,6 +54,8 @@ def test_frames_arrive_with_the_sender_named_by_the_topic(broker: Mosquitto, pro
             frames = [item] if isinstance(item, Delivery) else []
         assert frames == [Delivery("a", b"payload")]
         assert a.stats.bytes_sent == len(b"payload") + len(b"elsewhere")
+        _received(b, 2)
+        assert b.counters.get("inbox_other_job") == 1  # "elsewhere" was never held
     finally:
         a.close()
         b.close()
@@ -89,6 +98,7 @@ def test_a_broker_restart_is_not_a_death_and_loses_no_frame(broker: Mosquitto) -
     cfg = BrokerConfig.parse(broker.url)
     a, b = MqttLink(cfg, "a").connect(), MqttLink(cfg, "b").connect()
     try:
+        b.endpoint("j")
         _wait_peer(a, "b")
         for i in range(50):
             a.endpoint("j").send("b", b"%d" % i, Deadline.after(5))
@@ -104,7 +114,7 @@ def test_a_broker_restart_is_not_a_death_and_loses_no_frame(broker: Mosquitto) -
             else:
                 events.append(item.kind)
         assert got == set(range(100))
-        time.sleep(cfg.lost_grace_s * 5.5)  # a retained "lost" would be confirmed by now
+        time.sleep(cfg.lost_grace_s * 2)  # a fresh "lost" would be confirmed by now
         assert "lost" not in events and "a" in b.peers()
         assert a.counters.get("mqtt_reconnect") >= 1
     finally:
@@ -137,3 +147,111 @@ def test_no_broker_is_a_clear_error() -> None:
 def test_bad_broker_urls_name_the_option(url: str) -> None:
     with pytest.raises(ValueError, match="--broker"):
         BrokerConfig.parse(url)
+
+
+def _received(link: MqttLink, frames: int) -> None:
+    deadline = Deadline.after(10)
+    while link.stats.frames_received < frames:
+        assert not deadline.expired, f"{link.me} got {link.stats.frames_received} of {frames}"
+        time.sleep(0.02)
+
+
+def test_an_idle_link_holds_no_frame_of_a_job_it_is_not_in(broker: Mosquitto) -> None:
+    cfg = BrokerConfig.parse(broker.url)
+    idle, x = MqttLink(cfg, "a2").connect(), MqttLink(cfg, "x").connect()
+    try:  # any agent may publish to jobs/+/to/a2/<itself> under the ACL
+        for _ in range(100):
+            x.send_to("bogus", "a2", bytes(200_000), Deadline.after(5))
+        _received(idle, 100)
+        assert idle.queued_bytes == 0
+        assert idle.counters.get("inbox_other_job") == 100
+    finally:
+        idle.close()
+        x.close()
+
+
+def test_incoming_queues_are_bounded_in_bytes(broker: Mosquitto) -> None:
+    cfg = BrokerConfig.parse(broker.url, max_inbox_bytes=1_000_000)
+    slow, x = MqttLink(cfg, "a2").connect(), MqttLink(cfg, "x").connect()
+    try:
+        slow.endpoint("j")  # in the job, but nobody reads
+        for _ in range(20):
+            x.send_to("j", "a2", bytes(200_000), Deadline.after(5))
+        _received(slow, 20)
+        assert slow.queued_bytes == 1_000_000  # five frames
+        assert slow.counters.get("inbox_full") == 15
+    finally:
+        slow.close()
+        x.close()
+
+
+def test_a_peer_reconnecting_after_a_broker_restart_is_not_lost(broker: Mosquitto) -> None:
+    """The restart sends a's will ("lost", queued in b's session); b comes back within
+    ~2 s, a only after 4 s: longer than a fresh will's grace, shorter than a restart's."""
+    cfg = BrokerConfig.parse(broker.url)
+    a, b = MqttLink(cfg, "a").connect(), MqttLink(cfg, "b").connect()
+    try:
+        _wait_peer(b, "a")
+        assert a._client is not None
+        a._client.reconnect_delay_set(4, 4)
+        broker.restart(pause=0.5)
+        deadline = Deadline.after(15)
+        while a.counters.get("mqtt_reconnect") < 1 or b.counters.get("mqtt_reconnect") < 1:
+            assert not deadline.expired, "a link did not reconnect"
+            time.sleep(0.05)
+        time.sleep(1.0)  # a's "online" reaches b and clears any pending "lost"
+        events = []
+        while True:
+            try:
+                item = b.endpoint("j").recv(Deadline.after(0.01))
+            except TransportTimeout:
+                break
+            events.append(item)
+        assert MembershipEvent("lost", "a") not in events, events
+        assert "a" in b.peers()
+    finally:
+        a.close()
+        b.close()
+
+
+HUNG = """
+import sys, time
+from fedring.transport.mqtt import BrokerConfig, MqttLink
+MqttLink(BrokerConfig.parse(sys.argv[1], keepalive=2), "hung").connect()
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_hung_peer_is_lost_as_soon_as_the_broker_sends_its_will(broker: Mosquitto) -> None:
+    """SIGSTOP: only the broker's keep-alive check (1.5 x 2 s after the last packet, run
+    every 5 s by Mosquitto 2.0) sees it; the link must add no more than its short grace."""
+    a = MqttLink(BrokerConfig.parse(broker.url, keepalive=2), "a").connect()
+    wills: list[float] = []
+    spy = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="spy")
+    spy.on_message = lambda _c, _u, m: (
+        json.loads(m.payload or b"{}").get("state") == "lost" and wills.append(time.monotonic())
+    )
+    spy.connect("127.0.0.1", broker.port)
+    spy.subscribe("fedring/v1/agents/hung/status", qos=1)
+    spy.loop_start()
+    hung = subprocess.Popen([sys.executable, "-c", HUNG, broker.url], stdout=subprocess.PIPE)
+    try:
+        assert hung.stdout is not None and hung.stdout.readline() == b"up\n"
+        _wait_peer(a, "hung")
+        stopped = time.monotonic()
+        hung.send_signal(signal.SIGSTOP)
+        while True:
+            item = _next(a, deadline=15)
+            if item == MembershipEvent("lost", "hung"):
+                break
+        seen = time.monotonic()
+        assert wills, "the spy never saw the will"
+        assert seen - wills[0] <= 0.5  # our own confirmation delay
+        assert seen - stopped <= 1.5 * 2 + 1 + 5 + 0.5  # 1.5 keep-alives (whole s) + check
+    finally:
+        hung.kill()
+        hung.wait(5)
+        spy.loop_stop()
+        spy.disconnect()
+        a.close()
