@@ -69,7 +69,9 @@ def main() -> None:
         t = Path(tmp)
         runs = {
             "plain Flower FedAvg (dense)": example("plain", args.clients, args.rounds, t / "p"),
-            "FedAvg + four fedring lines": example("compressed", args.clients, args.rounds, t / "c"),
+            "FedAvg + four fedring lines": example(
+                "compressed", args.clients, args.rounds, t / "c"
+            ),
             "fedring ServerApp, star": star(args.clients, args.rounds, t / "s"),
             f"fedring star, {args.fedring_long_rounds} rounds": star(
                 args.clients, args.fedring_long_rounds, t / "l"

@@ -215,6 +215,11 @@ def online_status(cfg: BrokerConfig, agent: str) -> dict[str, Any] | None:
     and leaves no session behind: connecting as ``fedring-{agent}`` itself would
     take over the holder's session and disconnect it.
     """
+    if cfg.username is not None:
+        # The documented broker binds client ids to user names
+        # (use_username_as_clientid): a peek under the agent's user would itself take
+        # over the holder's session, and the broker keeps one session per user anyway.
+        return None
     topic = topics.status(agent)
     seen: list[bytes] = []
     refused: list[str] = []
