@@ -11,6 +11,7 @@ tests feed fake files.
 
 from __future__ import annotations
 
+import platform
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,9 +80,12 @@ def _family(model: str, profiles: dict[str, Any], mem: int | None) -> Detection 
 
 
 def detect(
-    model_path: Path = MODEL, tegra_path: Path = TEGRA, meminfo_path: Path = MEMINFO
-) -> Detection:
-    """The profile of this board; `generic-x86_64` when nothing identifies it."""
+    model_path: Path = MODEL, tegra_path: Path = TEGRA, meminfo_path: Path = MEMINFO,
+    machine: str | None = None,
+) -> Detection:  # fmt: skip
+    """The profile of this board; when nothing identifies it, `generic-x86_64` on x86
+    and, on an ARM machine (`machine`, default `platform.machine()`), the nearest ARM
+    board by RAM: never the x86 figures for an ARM CPU."""
     profiles = builtin_profiles()
     model = _read(model_path)
     if model:
@@ -107,4 +111,18 @@ def detect(
             first = release.splitlines()[0]
             return Detection(profiles[name], f"{tegra_path}: {first!r}")
     why = f"no known board in {model_path} or {tegra_path}"
+    arch = machine if machine is not None else platform.machine()
+    if arch.lower().startswith(("aarch64", "arm")):
+        return _nearest_arm(profiles, mem_total_mb(meminfo_path), f"{why}; {arch} CPU")
     return Detection(profiles[GENERIC], why)
+
+
+def _nearest_arm(profiles: dict[str, Profile], mem: int | None, why: str) -> Detection:
+    """An ARM board we cannot name: the ARM profile with the most RAM that fits
+    MemTotal (the slower on a tie), else the smallest: a tight budget, not x86's."""
+    arm = [p for p in profiles.values() if p.name != GENERIC]
+    fits = [p for p in arm if mem is not None and p.ram_mb <= mem * 1.15]
+    best = max(fits, key=lambda p: (p.ram_mb, -p.gflops)) if fits else min(
+        arm, key=lambda p: (p.ram_mb, p.gflops))  # fmt: skip
+    return Detection(best, f"{why}: nearest ARM board by RAM" + (
+        f" (MemTotal {mem} MB)" if mem is not None else ""))  # fmt: skip

@@ -180,3 +180,20 @@ def test_cli_detect_reads_the_given_files(tmp_path: Path) -> None:
     assert result.exit_code == 0
     got = json.loads(result.stdout)
     assert got["profile"] == "rpi4-8gb" and "Raspberry Pi 4 Model B" in got["reason"]
+
+
+@pytest.mark.parametrize(
+    ("machine", "mem_kb", "want"),
+    [
+        ("aarch64", 24_000_000, "rpi4-8gb"),  # an emulated arm64 root on a big host
+        ("aarch64", 3_884_000, "jetson-nano"),  # the slowest of the 4 GB ARM boards
+        ("armv7l", None, "rpi-zero-2w"),  # unknown RAM: the tightest budget
+        ("x86_64", 24_000_000, "generic-x86_64"),
+    ],
+)
+def test_an_unknown_arm_board_never_gets_the_x86_profile(
+    tmp_path: Path, machine: str, mem_kb: int | None, want: str
+) -> None:
+    found = detect(*_fake(tmp_path, None, None, mem_kb), machine=machine)
+    assert found.profile.name == want, found.reason
+    assert ("ARM" in found.reason) == (machine != "x86_64")
