@@ -11,7 +11,6 @@ leaves the previous checkpoint intact; read with ``torch.load(weights_only=True)
 from __future__ import annotations
 
 import os
-import pickle  # only for its error type: torch.load(weights_only=True) raises it
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +71,14 @@ class Checkpoint:
             raise CheckpointError(f"--resume: no checkpoint at {path}")
         try:
             state = torch.load(path, weights_only=True)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {path} cannot be read: {exc}") from exc
+        except Exception as exc:  # the weights-only unpickler's refusal of anything else
+            raise CheckpointError(  # its own message would advise weights_only=False: never
+                f"checkpoint {path} is unreadable: not a fedring checkpoint "
+                "(torch.load(weights_only=True) refused it)"
+            ) from exc
+        try:
             params = state["params"]
             ck = cls(
                 job=str(state["job"]), key=bytes.fromhex(state["key"]), spec=dict(state["spec"]),
@@ -83,13 +90,8 @@ class Checkpoint:
                 events=[dict(e) for e in state.get("events", [])],
                 wall_s=float(state.get("wall_s", 0.0)),
             )  # fmt: skip
-        except (KeyError, TypeError, ValueError, RuntimeError, EOFError, OSError,
-                pickle.UnpicklingError) as exc:  # fmt: skip
-            if isinstance(exc, pickle.UnpicklingError):  # never advise weights_only=False
-                why = "not a fedring checkpoint (torch.load(weights_only=True) refused it)"
-            else:
-                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise CheckpointError(f"checkpoint {path} is unreadable: {why}") from exc
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"checkpoint {path} is unreadable: {exc!r}") from exc
         if ck.params_sha256 != state.get("params_sha256", ""):
             raise CheckpointError(f"checkpoint {path}: parameters do not match their sha256")
         return ck
