@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -31,6 +32,17 @@ def _next(link: MqttLink, deadline: float = 10.0) -> Delivery | MembershipEvent:
     return link.endpoint("j").recv(Deadline.after(deadline))
 
 
+@contextlib.contextmanager
+def _pair(cfg: BrokerConfig, first: str, second: str) -> Iterator[tuple[MqttLink, MqttLink]]:
+    """Two connected links, both closed however the test ends."""
+    a, b = MqttLink(cfg, first).connect(), MqttLink(cfg, second).connect()
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
 def _wait_peer(link: MqttLink, peer: str) -> None:
     deadline = Deadline.after(5)
     while peer not in link.peers():
@@ -41,8 +53,7 @@ def _wait_peer(link: MqttLink, peer: str) -> None:
 @pytest.mark.parametrize("protocol", ["3.1.1", "5"])
 def test_frames_arrive_with_the_sender_named_by_the_topic(broker: Mosquitto, protocol) -> None:  # type: ignore[no-untyped-def]
     cfg = BrokerConfig.parse(broker.url, protocol=protocol)
-    a, b = MqttLink(cfg, "a").connect(), MqttLink(cfg, "b").connect()
-    try:
+    with _pair(cfg, "a", "b") as (a, b):
         b.endpoint("j")  # b is in job "j" only: a link holds frames of its jobs alone
         _wait_peer(a, "b")
         a.endpoint("j").send("b", b"payload", Deadline.after(5))
@@ -56,9 +67,7 @@ def test_frames_arrive_with_the_sender_named_by_the_topic(broker: Mosquitto, pro
         assert a.stats.bytes_sent == len(b"payload") + len(b"elsewhere")
         _received(b, 2)
         assert b.counters.get("inbox_other_job") == 1  # "elsewhere" was never held
-    finally:
-        a.close()
-        b.close()
+
 
 
 def test_a_killed_peer_is_lost_within_one_and_a_half_keepalives(broker: Mosquitto) -> None:
@@ -96,8 +105,7 @@ def test_a_clean_close_is_left_not_lost(broker: Mosquitto) -> None:
 
 def test_a_broker_restart_is_not_a_death_and_loses_no_frame(broker: Mosquitto) -> None:
     cfg = BrokerConfig.parse(broker.url)
-    a, b = MqttLink(cfg, "a").connect(), MqttLink(cfg, "b").connect()
-    try:
+    with _pair(cfg, "a", "b") as (a, b):
         b.endpoint("j")
         _wait_peer(a, "b")
         for i in range(50):
@@ -117,9 +125,7 @@ def test_a_broker_restart_is_not_a_death_and_loses_no_frame(broker: Mosquitto) -
         time.sleep(cfg.lost_grace_s * 2)  # a fresh "lost" would be confirmed by now
         assert "lost" not in events and "a" in b.peers()
         assert a.counters.get("mqtt_reconnect") >= 1
-    finally:
-        a.close()
-        b.close()
+
 
 
 def test_the_outgoing_queue_is_bounded(broker: Mosquitto) -> None:
@@ -158,31 +164,26 @@ def _received(link: MqttLink, frames: int) -> None:
 
 def test_an_idle_link_holds_no_frame_of_a_job_it_is_not_in(broker: Mosquitto) -> None:
     cfg = BrokerConfig.parse(broker.url)
-    idle, x = MqttLink(cfg, "a2").connect(), MqttLink(cfg, "x").connect()
-    try:  # any agent may publish to jobs/+/to/a2/<itself> under the ACL
+    # Any agent may publish to jobs/+/to/a2/<itself> under the ACL.
+    with _pair(cfg, "a2", "x") as (idle, x):
         for _ in range(100):
             x.send_to("bogus", "a2", bytes(200_000), Deadline.after(5))
         _received(idle, 100)
         assert idle.queued_bytes == 0
         assert idle.counters.get("inbox_other_job") == 100
-    finally:
-        idle.close()
-        x.close()
+
 
 
 def test_incoming_queues_are_bounded_in_bytes(broker: Mosquitto) -> None:
     cfg = BrokerConfig.parse(broker.url, max_inbox_bytes=1_000_000)
-    slow, x = MqttLink(cfg, "a2").connect(), MqttLink(cfg, "x").connect()
-    try:
+    with _pair(cfg, "a2", "x") as (slow, x):
         slow.endpoint("j")  # in the job, but nobody reads
         for _ in range(20):
             x.send_to("j", "a2", bytes(200_000), Deadline.after(5))
         _received(slow, 20)
         assert slow.queued_bytes == 1_000_000  # five frames
         assert slow.counters.get("inbox_full") == 15
-    finally:
-        slow.close()
-        x.close()
+
 
 
 def test_a_peer_reconnecting_after_a_broker_restart_is_not_lost(broker: Mosquitto) -> None:
