@@ -16,6 +16,7 @@ from torch import nn
 
 from fedring.aggregation.rules import Aggregation
 from fedring.config import JobSpec
+from fedring.engine.centre import CentreSettings
 from fedring.engine.group import Group
 from fedring.engine.loop import LoopSettings, Member
 from fedring.engine.lr import LinearScaling
@@ -75,6 +76,19 @@ def reducer_settings(spec: JobSpec) -> ReducerSettings:
     )
 
 
+def needs_centre(spec: JobSpec) -> bool:
+    """A star job, or a robust rule: some agreement goes through a centre (synchronous)."""
+    star = spec.topology == "star" or Aggregation.parse(spec.aggregation).needs_star
+    return star and spec.sync != "async"
+
+
+def centre_settings(spec: JobSpec, start_round: int = 0) -> CentreSettings:
+    return CentreSettings(
+        aggregation=spec.aggregation, rounds=spec.rounds, start_round=start_round,
+        timeout_s=spec.timeout_s,
+    )  # fmt: skip
+
+
 def sync_settings(spec: JobSpec) -> SyncSettings:
     return SyncSettings(
         mode="sync" if spec.sync == "sync" else "local",
@@ -85,6 +99,7 @@ def sync_settings(spec: JobSpec) -> SyncSettings:
         reset_state_at_sync=True,  # each round's local steps start afresh from the global model
         update_delay=spec.update_delay,
         bucket_kb=spec.bucket_kb,
+        star=spec.topology == "star",
     )
 
 
@@ -138,11 +153,12 @@ def member(
     before_round: Callable[[int], None] | None = None,
 ) -> Member:  # fmt: skip
     """One agent's `Member` for the job (see the module docstring)."""
+    centre = None
     if isinstance(collective, Group):
-        collective = collective.collective
+        collective, centre = collective.collective, collective.centre
     inner = optimizer(spec, task, model)
     numel = sum(p.numel() for p in model.parameters())
-    reducer = Reducer(collective, numel, reducer_settings(spec))
+    reducer = Reducer(collective, numel, reducer_settings(spec), centre=centre)
     opt = DistributedOptimizer(inner, reducer, sync_settings(spec), model=model, weight=weight,
                                yielder=yielder)  # fmt: skip
     sampler = ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=rank)

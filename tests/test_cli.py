@@ -68,7 +68,7 @@ def test_console_script_entry_point() -> None:
     assert out.returncode == 0 and out.stdout.startswith("fedring ")
 
 
-def test_coordinator_refuses_star_jobs_before_connecting(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_coordinator_refuses_async_jobs_before_connecting(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from typer.testing import CliRunner
 
     from fedring.cli import app
@@ -79,7 +79,7 @@ def test_coordinator_refuses_star_jobs_before_connecting(tmp_path) -> None:  # t
         app, ["coordinator", "run", str(job), "--broker", "mqtt://127.0.0.1:1"]
     )
     assert result.exit_code == 2
-    assert "star aggregator" in result.output
+    assert "sync='async' runs only in `fedring simulate`" in " ".join(result.output.split())
 
 
 def test_coordinator_given_a_directory_exits_2_naming_it(tmp_path) -> None:  # type: ignore[no-untyped-def]

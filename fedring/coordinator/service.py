@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
-from fedring.build import plan
+from fedring.build import needs_centre, plan
 from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
 from fedring.coordinator import outputs
+from fedring.coordinator.centre import StarCentre
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.coordinator.membership import Fleet
 from fedring.counters import Counters
@@ -85,6 +86,7 @@ class Coordinator:
         self.counters = Counters()
         self.codec = ControlCodec(topics.COORDINATOR, counters=self.counters)
         self.link: MqttLink | None = None
+        self.centre: StarCentre | None = None  # a star job's centre (`coordinator.centre`)
         self.fleet = Fleet()  # hellos and probes: ring order, frame size, patience
         self.ck: Checkpoint | None = None
         self.hashes: dict[int, dict[str, str]] = {}
@@ -112,6 +114,8 @@ class Coordinator:
             self.wall_before = ck.wall_s
             self.rows = outputs.load_rows(self.opts.out, up_to=ck.round, keep=saved is not None)
             self.codec.key = ck.key
+            if needs_centre(self.spec):
+                self.centre = StarCentre(self.link, ck.job, ck.key, self.counters)
             self._publish_manifest("running")
             members = self._members()
             epoch = ck.epoch + 1 if self.opts.resume else 0
@@ -119,7 +123,7 @@ class Coordinator:
                 if not members:
                     raise CoordinatorError("no agent holding a shard is online")
                 ep = _Epoch(epoch, members, ck.round)
-                if self._segment(ep):
+                if self._run_segment(ep):
                     return self._finish(ep, self._wall())
                 self.epochs += 1
                 if self.epochs >= self.opts.max_epochs:
@@ -128,6 +132,8 @@ class Coordinator:
                 members = self._members()
                 self._check_refusals(members)
         finally:
+            if self.centre is not None:
+                self.centre.close()
             self.link.close("offline")
 
     def _enrol_and_plan(self) -> Checkpoint:
@@ -191,6 +197,25 @@ class Coordinator:
         return self.fleet.order((self._ready() & set(self.ck.shards)) - set(self.refused))
 
     # -- one segment --------------------------------------------------------------
+
+    def _run_segment(self, ep: _Epoch) -> bool:
+        """`_segment`, with a star job's centre serving the epoch's rounds beside it."""
+        if self.centre is None:
+            return self._segment(ep)
+        self.centre.start(self.spec.replace(agents=len(ep.members)), ep.number, ep.members,
+                          ep.start, self._numel(), self.fleet.frame_bytes(ep.members))  # fmt: skip
+        try:
+            return self._segment(ep)
+        finally:
+            self.centre.stop()
+
+    def _numel(self) -> int:
+        """Parameters of the job's model: the checkpoint's, or the plan's for a derived
+        start not yet checkpointed."""
+        assert self.ck is not None
+        if self.ck.params is not None:
+            return self.ck.params.numel()
+        return plan(self.spec).initial.numel()
 
     def _segment(self, ep: _Epoch) -> bool:
         """Run the ring of `ep.members` until done (True) or until it must re-form."""
@@ -378,6 +403,7 @@ class Coordinator:
             "agent_counters": {a: d.get("counters", {}) for a, d in ep.done.items()},
             "bytes_received_by_coordinator": self.link.stats.bytes_received,
             "bytes_sent_by_coordinator": self.link.stats.bytes_sent,
+            "centre_rounds": self.centre.served if self.centre is not None else 0,
             "agent_bytes": {
                 a: {"ring": d.get("ring_bytes_sent", 0), "link": d.get("link_bytes_sent", 0)}
                 for a, d in ep.done.items()

@@ -97,6 +97,7 @@ class AgentDaemon:
         self.link: MqttLink | None = None
         self.worker: JobWorker | None = None
         self.endpoint: MqttEndpoint | None = None  # the worker's job: its ring bytes, all epochs
+        self.centre: MqttEndpoint | None = None  # a star job's exchanges with the coordinator
         self.link_bytes_at_job = 0  # everything this agent published since the job began
         self.running: _Running | None = None
         self.counters_at_job: dict[str, int] = {}
@@ -189,6 +190,12 @@ class AgentDaemon:
                 )  # fmt: skip
                 assert self.link is not None
                 self.endpoint = self.link.endpoint(seg.job)
+                if self.centre is not None:
+                    self.centre.close()
+                self.centre = (
+                    self.link.endpoint(topics.star(seg.job), private=True)
+                    if spec.topology == "star" else None
+                )  # fmt: skip
                 self.link_bytes_at_job = self.link.stats.bytes_sent
                 self.counters_at_job = self.counters.snapshot()  # bye reports this job's
         except (KeyError, TypeError, ValueError, SpecError, ShardError, DatasetError) as exc:
@@ -230,7 +237,7 @@ class AgentDaemon:
 
     def _start(self, seg: Segment) -> None:
         assert self.link is not None and self.worker is not None and self.endpoint is not None
-        worker, link, endpoint = self.worker, self.link, self.endpoint
+        worker, link, endpoint, centre = self.worker, self.link, self.endpoint, self.centre
         run = _Running(seg, threading.Thread(), acked=seg.start_round)
         halt = run.halt
         patience = 3 * worker.spec.timeout_s
@@ -260,11 +267,12 @@ class AgentDaemon:
         def body() -> None:
             try:
                 result = worker.run(seg, endpoint, self.codec.key or b"",
-                                    self.counters, halt, on_round, gate)  # fmt: skip
+                                    self.counters, halt, on_round, gate, centre)  # fmt: skip
                 if head and uploaded[0] != worker.committed:
                     upload(worker.committed)  # the final state, before the bye
                 result["epoch"] = seg.epoch
-                result["ring_bytes_sent"] = endpoint.stats.bytes_sent
+                star = centre.stats.bytes_sent if centre is not None else 0
+                result["ring_bytes_sent"] = endpoint.stats.bytes_sent + star
                 # Up to here: the bye itself and what follows are not counted.
                 result["link_bytes_sent"] = link.stats.bytes_sent - self.link_bytes_at_job
                 result["counters"] = self._job_counters()

@@ -30,6 +30,7 @@ from fedring import build
 from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.config import JobSpec
 from fedring.counters import Counters
+from fedring.engine.centre import Centre
 from fedring.engine.group import Group
 from fedring.engine.loop import Member, run
 from fedring.engine.plan import ModelMismatch, prepare
@@ -45,6 +46,7 @@ from fedring.training.models import (
     set_flat_params,
 )
 from fedring.training.sharding import ShardManifest, make_shards, shard_data, verify_shard
+from fedring.transport import topics
 from fedring.transport.base import Endpoint
 from fedring.wire.frame import FrameLimits
 
@@ -188,7 +190,7 @@ class JobWorker:
             self._keep(self.committed)
             return self.member
         opt = self.member.state.optimizer
-        opt.reducer.collective = group.collective
+        opt.reducer.collective, opt.reducer.centre = group.collective, group.centre
         opt.weight = 1.0 / group.world
         factor = self.member.scaling.factor  # keep the monitor's halvings
         self.member.scaling = build.scaling(spec, opt.optimizer)
@@ -204,13 +206,20 @@ class JobWorker:
         halt: threading.Event,
         on_round: Callable[[int, dict[str, Any]], None],
         gate: Callable[[int], None] | None = None,
+        centre: Endpoint | None = None,
     ) -> dict[str, Any]:
-        """Run rounds from `seg.start_round` to the end; raise `CollectiveError` if cut."""
+        """Run rounds from `seg.start_round` to the end; raise `CollectiveError` if cut.
+
+        A star job's updates go to the coordinator over `centre` (a private endpoint)."""
         spec = self.spec.replace(agents=len(seg.members))
         limits = FrameLimits(max_frame_bytes=seg.max_frame_bytes) if seg.max_frame_bytes else None
         channel = PeerChannel(endpoint, seg.channel_job, key=key, counters=counters,
                               limits=limits)  # fmt: skip
-        m = self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s))
+        hub = None
+        if centre is not None:
+            hub = Centre(PeerChannel(centre, seg.channel_job, key=key, counters=counters,
+                                     limits=limits), topics.COORDINATOR)  # fmt: skip
+        m = self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s, hub))
 
         def before(r: int) -> None:
             if gate is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from fedring.collective.channel import PeerChannel
 from fedring.collective.torus import build_ring, layout_name
 from fedring.counters import Counters
+from fedring.engine.centre import Centre
 from fedring.engine.reducer import Collective
 from fedring.transport.base import Endpoint
 from fedring.transport.inproc import InprocTransport
@@ -35,6 +36,7 @@ class Group:
     members: tuple[str, ...]
     topology: str = "auto"  # auto | ring | torus
     timeout_s: float = 60.0  # deadline of every collective step
+    centre: Centre | None = None  # a star's centre; None: `STAR` on this channel
     collective: Collective = field(init=False)
 
     def __post_init__(self) -> None:

@@ -26,9 +26,10 @@ averaged over the group at every sync point; integer buffers
 (``num_batches_tracked``) are counters, equal on every member that took the same
 steps, and stay integer and local.
 
-Aggregation: ``mean`` and ``weighted`` sum ``weight * vec`` around the ring;
-``vote`` is signSGD's majority; ``median`` and ``trimmed`` go through a star's
-centre; ``hybrid:L`` mixes the global mean with the local vector (SEEDS A).
+Aggregation: ``mean`` and ``weighted`` sum ``weight * vec`` around the ring (or
+at the centre of a star, `SyncSettings.star`); ``vote`` is signSGD's majority;
+``median`` and ``trimmed`` go through a star's centre; ``hybrid:L`` mixes the
+global mean with the local vector (SEEDS A).
 
 With a compressed gradient every step, run the wrapped optimizer *without*
 momentum (plain EF-SGD) or move the momentum into error feedback (DGC momentum
@@ -79,6 +80,7 @@ class SyncSettings:
     reset_state_at_sync: bool = False  # local mode: clear the optimizer's state at each sync
     update_delay: int = 0  # sync: apply each agreed gradient one round late (0 or 1)
     bucket_kb: int = 0  # sync: all-reduce buckets of this many KB during backward; 0 = off
+    star: bool = False  # every agreement but the sign vote goes through the group's centre
 
     @property
     def rule(self) -> Aggregation:
@@ -167,7 +169,10 @@ class DistributedOptimizer:
             return self.reducer.vote(vec, round=r)
         if self.rule.needs_star:
             return self.reducer.star(vec, round=r)
-        agreed = self.reducer.allreduce(vec, scale=self.weight, round=r)
+        if self.settings.star:
+            agreed = self.reducer.star(vec, round=r, scale=self.weight)
+        else:
+            agreed = self.reducer.allreduce(vec, scale=self.weight, round=r)
         if kind == "hybrid":
             agreed = hybrid(agreed, vec, self.rule.lam(r, self.settings.rounds))
         return agreed

@@ -11,8 +11,9 @@ memory and communicator)::
 
 `allreduce` returns the sum over the group of ``scale_i * vec_i`` (a scale of 1/N
 gives the mean, a manifest weight the weighted mean). `vote` is signSGD's majority
-vote with error feedback; `star` sends the compressed vector to the group's centre
-(median, trimmed mean) and returns what it decides.
+vote with error feedback; `star` sends ``scale * vec``, compressed, to the group's
+centre (`engine.centre`: a star job, or median and trimmed mean) and returns what
+it decides.
 
 Tuning: `density` first (1% keeps 3 of every 256 entries); leave error feedback
 on (without it top-k at 1% loses most of the gradient mass and stalls); the DGC
@@ -41,9 +42,10 @@ from fedring.compression.group_topk import GroupTopK, k_for
 from fedring.compression.payload import Payload, PayloadLimits
 from fedring.compression.quantize import DenseCodec, SignQuantizer
 from fedring.compression.schedule import DensitySchedule
+from fedring.engine.centre import STAR, Centre
 from fedring.transport.base import Deadline
 
-STAR = "aggregator"  # endpoint name of the star's centre
+__all__ = ["STAR", "Centre", "Reducer", "ReducerSettings", "compress_update"]
 Collective = Ring | Torus
 
 
@@ -106,6 +108,7 @@ class Reducer:
     numel: int
     settings: ReducerSettings = field(default_factory=ReducerSettings)
     last_error: float = 0.0  # ||g - sent|| / ||g|| of the last compression
+    centre: Centre | None = None  # a star's centre; None: `STAR` on the ring's channel
     ef: ErrorFeedback | None = field(default=None, init=False)
     topk: GroupTopK | None = field(default=None, init=False)
     schedule: DensitySchedule | None = field(default=None, init=False)
@@ -198,14 +201,16 @@ class Reducer:
             self.ef.update(SignQuantizer(4096).compress(p))  # keep what sign(p)*scale misses
         return majority_vote(self.collective.flat, p, round=round).to(torch.float32)
 
-    def star(self, vec: torch.Tensor, *, round: int) -> torch.Tensor:
-        """Send the compressed vector to the centre; return what it decides."""
+    def star(self, vec: torch.Tensor, *, round: int, scale: float = 1.0) -> torch.Tensor:
+        """Send ``scale * vec``, compressed, to the centre; return what it decides."""
+        centre = self.centre or Centre(self.channel)
         deadline = Deadline.after(self.settings.timeout_s)
-        self.channel.send(
-            STAR, self.compress(vec, round), round=round, step=0, phase="up", deadline=deadline
-        )
-        result = self.channel.recv(
-            STAR, round=round, step=0, phase="down", deadline=deadline,
+        centre.channel.send(
+            centre.name, self.compress(vec * scale if scale != 1.0 else vec, round),
+            round=round, step=0, phase="up", deadline=deadline,
+        )  # fmt: skip
+        result = centre.channel.recv(
+            centre.name, round=round, step=0, phase="down", deadline=deadline,
             limits=PayloadLimits(max_numel=self.numel),
         )  # fmt: skip
         return result.decompress()

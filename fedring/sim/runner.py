@@ -4,7 +4,8 @@ The coordinator's part is done here (`engine.plan`: load and shard the data, a
 manifest with a sha256 per shard, the initial model's parameters and hash); each
 agent then verifies its shard and the initial parameters it is handed before
 training, exactly as a board would, and
-runs the engine's loop (`engine.loop.run`; the async star is `sim.async_star`).
+runs the engine's loop (`engine.loop.run`; a star's centre, `engine.centre`, on a
+thread of its own; the async star is `sim.async_star`).
 """
 
 from __future__ import annotations
@@ -18,17 +19,15 @@ from typing import Any
 import torch
 
 from fedring import build
-from fedring.aggregation.rules import Aggregation
 from fedring.build import plan
 from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
 from fedring.counters import Counters
+from fedring.engine.centre import STAR, serve
 from fedring.engine.group import LOCAL_KEY, local_group
 from fedring.engine.loop import LoopResult, run
 from fedring.engine.plan import Plan, prepare
-from fedring.engine.reducer import STAR
-from fedring.sim.star import serve_star
 from fedring.training.datasets import Dataset
 from fedring.training.models import param_count, params_sha256
 from fedring.transport.inproc import InprocTransport
@@ -73,7 +72,6 @@ def simulate(
     ]
     loop = build.loop_settings(spec)
     numel = param_count(prepared[0][0])
-    star = Aggregation.parse(spec.aggregation).needs_star
 
     def agent(rank: int) -> LoopResult:
         try:
@@ -87,9 +85,11 @@ def simulate(
 
     with ThreadPoolExecutor(max_workers=spec.agents + 1) as pool:
         server = None
-        if star:
+        if build.needs_centre(spec):
             centre = PeerChannel(hub.connect(STAR), "sim", key=LOCAL_KEY, counters=counters)
-            server = pool.submit(serve_star, centre, spec, groups[0].members, numel)
+            server = pool.submit(
+                serve, centre, groups[0].members, numel, build.centre_settings(spec)
+            )
         futures = [pool.submit(agent, r) for r in range(spec.agents)]
         results = _gather(futures + ([server] if server else []))[: spec.agents]
     channels = [g.channel for g in groups]

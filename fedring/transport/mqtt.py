@@ -13,7 +13,10 @@ Incoming messages go to one of two queues:
 
 - **data**: ring frames from peers, as `Delivery(src, bytes)`, and presence changes
   as `MembershipEvent`s; `MqttLink.endpoint(job)` gives the `Endpoint` view that
-  `PeerChannel` reads.
+  `PeerChannel` reads. A *private* endpoint (``endpoint(job, private=True)``) has
+  a queue of its own and takes every frame of its job, the coordinator's
+  included: a star's exchanges with the coordinator travel there, apart from the
+  coordinator's control messages and from the ring.
 - **control**: frames from the senders named in `control_from` (an agent listens
   to the coordinator there), hellos and metrics (the coordinator), and presence
   changes again, as `Control` items.
@@ -236,6 +239,7 @@ class MqttLink:
         self._data: _Inbox[Delivery | MembershipEvent | tuple[str, Delivery]] = _Inbox(
             cfg.max_inbox_items, cfg.max_inbox_bytes
         )
+        self._private: dict[str, _Inbox[Delivery | MembershipEvent | tuple[str, Delivery]]] = {}
         # Jobs whose peer frames we hold: ours, those with an open endpoint, and those the
         # coordinator (whose sender level only it may write) has sent us a frame in.
         self._jobs: set[str] = set() if job is None else {job}
@@ -415,7 +419,10 @@ class MqttLink:
             job, _dst, src = box
             self.stats.frames_received += 1
             self.stats.bytes_received += len(payload)
-            if src in self._control_from or "*" in self._control_from:
+            private = self._private.get(job)
+            if private is not None:
+                self._offer(private, (job, Delivery(src, payload)), topic)
+            elif src in self._control_from or "*" in self._control_from:
                 if src == topics.COORDINATOR:
                     self._jobs.add(job)  # it puts us in the job: peers' frames follow
                 self._offer(self.control, Control("frame", src, payload, job), topic)
@@ -507,7 +514,8 @@ class MqttLink:
     def _emit(self, who: str, events: list[MembershipEvent]) -> None:
         for event in events:
             log.info("%s sees %s %s", self.me, who, event.kind)
-            self._offer(self._data, event, f"{who} {event.kind}")
+            for inbox in (self._data, *self._private.values()):
+                self._offer(inbox, event, f"{who} {event.kind}")
             self._offer(self.control, Control("member", who, event=event), f"{who} {event.kind}")
 
     # -- outgoing -------------------------------------------------------------
@@ -565,18 +573,29 @@ class MqttLink:
     def interrupt(self, channel_job: str) -> None:
         """Wake a `PeerChannel` of `channel_job` blocked in `recv`: it raises
         `CollectiveInterrupted` (channels of other jobs ignore it)."""
-        self._data.put(MembershipEvent("interrupted", channel_job))
+        for inbox in (self._data, *self._private.values()):
+            inbox.put(MembershipEvent("interrupted", channel_job))
 
-    def endpoint(self, job: str) -> MqttEndpoint:
-        """The job's `Endpoint`; from now on peers' frames of `job` are held for it."""
+    def endpoint(self, job: str, *, private: bool = False) -> MqttEndpoint:
+        """The job's `Endpoint`; from now on peers' frames of `job` are held for it.
+
+        A `private` one has its own queue and takes the frames of every sender in
+        `job`, those of `control_from` included, until it is closed.
+        """
         endpoint = MqttEndpoint(self, job)
-        self._jobs.add(endpoint.job)
+        if private:
+            endpoint.inbox = _Inbox(self.cfg.max_inbox_items, self.cfg.max_inbox_bytes)
+            # copied on write: paho's thread reads it without the lock
+            self._private = {**self._private, endpoint.job: endpoint.inbox}
+        else:
+            self._jobs.add(endpoint.job)
         return endpoint
 
     @property
     def queued_bytes(self) -> int:
         """Payload bytes waiting in the incoming queues (bounded by `max_inbox_bytes` each)."""
-        return self._data.queued_bytes + self.control.queued_bytes
+        private = sum(inbox.queued_bytes for inbox in self._private.values())
+        return self._data.queued_bytes + self.control.queued_bytes + private
 
     def close(self, state: str = "offline") -> None:
         """Say goodbye (retained status), then disconnect."""
@@ -609,6 +628,7 @@ class MqttEndpoint:
         self.job = topics.check_id("job", job)
         self.name = link.me
         self.stats = LinkStats()  # this job's ring frames only; `link.stats` counts everything
+        self.inbox = link._data  # a private endpoint's own queue (`MqttLink.endpoint`)
 
     def send(self, dst: str, data: bytes, deadline: Deadline) -> None:
         soon = Deadline.after(min(2.0, deadline.remaining()))
@@ -624,7 +644,7 @@ class MqttEndpoint:
     def recv(self, deadline: Deadline) -> Delivery | MembershipEvent:
         while True:
             try:
-                item = self.link._data.get(timeout=max(deadline.remaining(), 1e-4))
+                item = self.inbox.get(timeout=max(deadline.remaining(), 1e-4))
             except queue.Empty:
                 raise TransportTimeout(
                     f"{self.name!r} received nothing before the deadline"
@@ -643,4 +663,8 @@ class MqttEndpoint:
         return self.link.peers()
 
     def close(self) -> None:
-        """The link outlives the job; closing a job's endpoint leaves it connected."""
+        """The link outlives the job; closing a job's endpoint leaves it connected
+        (a private endpoint's frames are dropped from now on)."""
+        link = self.link
+        if self.inbox is not link._data:
+            link._private = {j: q for j, q in link._private.items() if j != self.job}

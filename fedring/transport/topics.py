@@ -57,6 +57,16 @@ def inbox(job: str, dst: str, src: str) -> str:
     return f"{ROOT}/jobs/{job}/to/{dst}/{src}"
 
 
+def star(job: str) -> str:
+    """The topic-level job of a star's exchanges with the coordinator, apart from its
+    control messages (both come from the coordinator's id).
+
+    >>> star("digits-1a2b")
+    'digits-1a2b.star'
+    """
+    return check_id("job", f"{job}.star")
+
+
 def my_inboxes(me: str) -> str:
     """Subscription for every job's inbox of `me`, from any sender."""
     return f"{ROOT}/jobs/+/to/{me}/+"
