@@ -153,9 +153,9 @@ def member(
     before_round: Callable[[int], None] | None = None,
 ) -> Member:  # fmt: skip
     """One agent's `Member` for the job (see the module docstring)."""
-    centre = None
+    centre = collective.centre if isinstance(collective, Group) else None
     if isinstance(collective, Group):
-        collective, centre = collective.collective, collective.centre
+        collective = collective.collective
     inner = optimizer(spec, task, model)
     numel = sum(p.numel() for p in model.parameters())
     reducer = Reducer(collective, numel, reducer_settings(spec), centre=centre)
