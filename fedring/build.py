@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from fedring.aggregation.rules import Aggregation
-from fedring.config import JobSpec
-from fedring.engine.centre import CentreSettings
+from fedring.config import JobSpec, SpecError
+from fedring.engine.centre import AsyncSettings, CentreSettings
 from fedring.engine.group import Group
 from fedring.engine.loop import LoopSettings, Member
 from fedring.engine.lr import LinearScaling
@@ -77,9 +77,31 @@ def reducer_settings(spec: JobSpec) -> ReducerSettings:
 
 
 def needs_centre(spec: JobSpec) -> bool:
-    """A star job, or a robust rule: some agreement goes through a centre (synchronous)."""
-    star = spec.topology == "star" or Aggregation.parse(spec.aggregation).needs_star
-    return star and spec.sync != "async"
+    """Updates go through a centre: a star job, a robust rule, or asynchronous training."""
+    rule = Aggregation.parse(spec.aggregation)
+    return spec.topology == "star" or rule.needs_star or spec.sync == "async"
+
+
+def async_settings(spec: JobSpec, start_version: int = 0) -> AsyncSettings:
+    return AsyncSettings(
+        rounds=spec.rounds, start_version=start_version, wait=spec.async_wait,
+        staleness_power=spec.staleness_power, aggregation=spec.aggregation,
+        timeout_s=spec.timeout_s,
+    )  # fmt: skip
+
+
+def speeds(spec: JobSpec) -> list[float]:
+    """Per-agent time factors from ``slow = "F:RANK[,F:RANK...]"`` (default 1)."""
+    out = [1.0] * spec.agents
+    for item in filter(None, spec.slow.split(",")):
+        try:
+            factor, rank = item.split(":")
+            out[int(rank)] = float(factor)
+        except (ValueError, IndexError):
+            raise SpecError(
+                f"field 'slow'={spec.slow!r}: expected FACTOR:RANK with RANK < agents"
+            ) from None
+    return out
 
 
 def centre_settings(spec: JobSpec, start_round: int = 0) -> CentreSettings:

@@ -194,11 +194,6 @@ def coordinator_run(
     cfg = broker_config(broker, username, password_file, ca, cert, key, keepalive)
     try:
         spec = JobSpec.from_toml(job_file)
-        if spec.sync == "async":
-            raise ValueError(
-                f"{job_file}: sync='async' runs only in `fedring simulate` so far; over MQTT "
-                "use sync, local or adaptive (with topology='star' the coordinator aggregates)"
-            )
     except ValueError as exc:
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None

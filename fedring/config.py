@@ -51,7 +51,7 @@ class JobSpec:
     error_feedback: bool = True  # off only to measure its effect
     density_warmup: int = 10  # rounds per DGC warm-up stage (25%, 6.25%, 1.56%, 0.4%); 0 = off
     policy: str = "bounded"  # sparse ring policy: bounded | exact
-    topology: str = "auto"  # auto | ring | torus (2-D ring) | star (allows median / trimmed)
+    topology: str = "auto"  # auto | ring | torus (2-D ring) | star (a centre: median, trimmed)
     sync: str = "sync"  # sync | local | adaptive | async
     local_steps: int = 4  # H: local steps between syncs (local, adaptive, async)
     aggregation: str = "mean"  # mean | weighted | vote | hybrid:L[-L2] | median | trimmed:B

@@ -68,20 +68,6 @@ def test_console_script_entry_point() -> None:
     assert out.returncode == 0 and out.stdout.startswith("fedring ")
 
 
-def test_coordinator_refuses_async_jobs_before_connecting(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from typer.testing import CliRunner
-
-    from fedring.cli import app
-
-    job = tmp_path / "job.toml"
-    job.write_text('[job]\nsync = "async"\n')
-    result = CliRunner().invoke(
-        app, ["coordinator", "run", str(job), "--broker", "mqtt://127.0.0.1:1"]
-    )
-    assert result.exit_code == 2
-    assert "sync='async' runs only in `fedring simulate`" in " ".join(result.output.split())
-
-
 def test_coordinator_given_a_directory_exits_2_naming_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     result = runner.invoke(app, ["coordinator", "run", str(tmp_path), "--broker", "mqtt://x:1"])
     assert result.exit_code == 2, result.output

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from fedring.collective.payloads import decode_payload, encode_payload
@@ -141,30 +141,61 @@ class PeerChannel:
                     return payload
                 except FrameError as exc:
                     self._refuse(src, exc)
-            try:
-                item = self.endpoint.recv(deadline)
-            except TransportTimeout as exc:
-                if src not in self.endpoint.peers():  # its goodbye may have been lost
-                    self.counters.add("peer_lost")
-                    raise PeerLost(src) from exc
-                self.counters.add("timeout")
-                last = f"; last refused frame: {self._last_refusal}" if self._last_refusal else ""
-                raise CollectiveTimeout(
-                    f"{self.name!r} waited for {phase} step {step} of round {round} "
-                    f"from {src!r}{last}"
-                ) from exc
-            if isinstance(item, MembershipEvent):
-                if item.kind == "interrupted" and item.name in (self.job, "*"):
-                    raise CollectiveInterrupted(f"{self.name!r}: round {round} was interrupted")
-                if item.kind == "interrupted":
-                    continue  # meant for an earlier job or epoch
-                if item.kind == "joined":
-                    self._seen.forget(item.name)  # a restarted peer counts from 0 again
-                elif item.name == src:
-                    self.counters.add("peer_lost")
-                    raise PeerLost(src)
-                continue
-            self._take(item.src, item.data)
+            self._pull(deadline, (src,), f"{phase} step {step} of round {round} from {src!r}")
+
+    def recv_any(
+        self,
+        srcs: Collection[str],
+        *,
+        phases: Collection[str],
+        deadline: Deadline,
+        limits: PayloadLimits | None = None,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> tuple[Position, Payload]:
+        """The oldest payload any of `srcs` sent in one of `phases`, whatever its round
+        and step, with its position: an asynchronous centre takes updates in the order
+        they come. A member of `srcs` lost meanwhile goes to `on_lost` (default: the
+        wait ends with `PeerLost`)."""
+        while True:
+            for pos in [p for p in self._stash if p[0] in srcs and p[3] in phases]:
+                meta, body = self._stash.pop(pos)
+                try:
+                    return pos, decode_payload(meta, body, limits or self.payload_limits)
+                except FrameError as exc:
+                    self._refuse(pos[0], exc)
+            self._pull(deadline, tuple(srcs), f"{'/'.join(phases)} from any of {sorted(srcs)}",
+                       on_lost)  # fmt: skip
+
+    def _pull(
+        self, deadline: Deadline, srcs: tuple[str, ...], what: str,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
+        """Take one item from the endpoint: a frame into the stash, or a membership
+        event acted on (an interruption or a lost `srcs` member ends the wait)."""
+        try:
+            item = self.endpoint.recv(deadline)
+        except TransportTimeout as exc:
+            gone = [s for s in srcs if s not in self.endpoint.peers()]
+            if gone and len(gone) == len(srcs):  # a goodbye may have been lost
+                self.counters.add("peer_lost")
+                raise PeerLost(gone[0]) from exc
+            self.counters.add("timeout")
+            last = f"; last refused frame: {self._last_refusal}" if self._last_refusal else ""
+            raise CollectiveTimeout(f"{self.name!r} waited for {what}{last}") from exc
+        if isinstance(item, MembershipEvent):
+            if item.kind == "interrupted":
+                if item.name in (self.job, "*"):
+                    raise CollectiveInterrupted(f"{self.name!r}: waiting for {what}: interrupted")
+                return  # meant for an earlier job or epoch
+            if item.kind == "joined":
+                self._seen.forget(item.name)  # a restarted peer counts from 0 again
+            elif item.name in srcs:
+                self.counters.add("peer_lost")
+                if on_lost is None:
+                    raise PeerLost(item.name)
+                on_lost(item.name)
+            return
+        self._take(item.src, item.data)
 
     def _take(self, sender: str, data: bytes) -> None:
         """Check one delivery and stash its payload bytes, or refuse and count it."""

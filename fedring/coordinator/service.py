@@ -43,7 +43,8 @@ from fedring.coordinator.centre import StarCentre
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.coordinator.membership import Fleet
 from fedring.counters import Counters
-from fedring.training.models import flat_sha256
+from fedring.engine.plan import Plan
+from fedring.training.models import flat_sha256, set_flat_params
 from fedring.transport import topics
 from fedring.transport.base import Deadline, TransportError
 from fedring.transport.mqtt import BrokerConfig, Control, MqttLink
@@ -78,6 +79,7 @@ class _Epoch:
     start: int
     acks: set[str] = field(default_factory=set)
     done: dict[str, dict[str, Any]] = field(default_factory=dict)
+    gone: set[str] = field(default_factory=set)  # an asynchronous job goes on without them
 
 
 class Coordinator:
@@ -86,7 +88,8 @@ class Coordinator:
         self.counters = Counters()
         self.codec = ControlCodec(topics.COORDINATOR, counters=self.counters)
         self.link: MqttLink | None = None
-        self.centre: StarCentre | None = None  # a star job's centre (`coordinator.centre`)
+        self.centre: StarCentre | None = None  # a star or async job's centre
+        self.plan: Plan | None = None  # computed once: the initial model, the evaluator
         self.fleet = Fleet()  # hellos and probes: ring order, frame size, patience
         self.ck: Checkpoint | None = None
         self.hashes: dict[int, dict[str, str]] = {}
@@ -149,7 +152,7 @@ class Coordinator:
             self._poll(0.2)
         chosen = self.fleet.order(self._ready())[: self.spec.agents]
         spec = self.spec.replace(agents=len(chosen))
-        p = plan(spec)
+        p = self.plan = plan(spec)
         job = topics.check_id("job", f"{_slug(spec.task or spec.dataset)}-{os.urandom(4).hex()}")
         log.info("job %s: %d agents, ring %s", job, len(chosen), chosen)
         return Checkpoint(
@@ -202,20 +205,64 @@ class Coordinator:
         """`_segment`, with a star job's centre serving the epoch's rounds beside it."""
         if self.centre is None:
             return self._segment(ep)
+        evaluate = self._evaluator() if self.asynchronous else None
         self.centre.start(self.spec.replace(agents=len(ep.members)), ep.number, ep.members,
-                          ep.start, self._numel(), self.fleet.frame_bytes(ep.members))  # fmt: skip
+                          ep.start, self._params(), self.fleet.frame_bytes(ep.members),
+                          evaluate)  # fmt: skip
         try:
             return self._segment(ep)
         finally:
             self.centre.stop()
+            self._drain_centre(ep)
 
-    def _numel(self) -> int:
-        """Parameters of the job's model: the checkpoint's, or the plan's for a derived
-        start not yet checkpointed."""
+    @property
+    def asynchronous(self) -> bool:
+        return self.spec.sync == "async"
+
+    def _plan(self) -> Plan:
+        if self.plan is None:
+            self.plan = plan(self.spec)
+        return self.plan
+
+    def _params(self) -> torch.Tensor:
+        """The model at the checkpoint's round: its parameters, or the plan's initial ones
+        for a derived start not yet checkpointed."""
         assert self.ck is not None
-        if self.ck.params is not None:
-            return self.ck.params.numel()
-        return plan(self.spec).initial.numel()
+        return self.ck.params if self.ck.params is not None else self._plan().initial
+
+    def _evaluator(self) -> Callable[[torch.Tensor], tuple[float, float]]:
+        """(test loss, accuracy) of flat parameters: an asynchronous job's centre holds
+        the model, so the coordinator evaluates it."""
+        p = self._plan()
+        model = p.task.model(p.dataset, self.spec.seed)
+
+        def evaluate(params: torch.Tensor) -> tuple[float, float]:
+            set_flat_params(model, params)
+            return p.task.evaluate(model, p.dataset)
+
+        return evaluate
+
+    def _drain_centre(self, ep: _Epoch) -> bool:
+        """An asynchronous job's new versions: rows, progress, checkpoints. True if any."""
+        assert self.centre is not None and self.ck is not None
+        moved = False
+        while True:
+            try:
+                row, params = self.centre.versions.get_nowait()
+            except queue.Empty:
+                return moved
+            moved = True
+            rnd = int(row["round"])
+            if self.t0 is not None:
+                row["wall_s"] = round(time.perf_counter() - self.t0, 4)
+            self.last_row = self.rows[rnd] = row
+            outputs.append_row(self.opts.out, row)
+            if self.opts.on_round is not None:
+                self.opts.on_round(rnd - 1, row)
+            if params is not None:
+                self.ck.params, self.ck.round, self.ck.epoch = params, rnd, ep.number
+                self.ck.events, self.ck.wall_s = self.events, self._wall()
+                self.ck.save(self.opts.out)
 
     def _segment(self, ep: _Epoch) -> bool:
         """Run the ring of `ep.members` until done (True) or until it must re-form."""
@@ -239,7 +286,9 @@ class Coordinator:
         acks_by = Deadline.after(self.opts.ack_timeout_s)
         progress = Deadline.after(stall)
         while True:
-            if len(ep.done) == len(ep.members):
+            if self.asynchronous and self._drain_centre(ep):
+                progress = Deadline.after(stall)
+            if ep.done and set(ep.members) <= set(ep.done) | ep.gone:
                 return True
             if len(ep.acks) < len(ep.members) and acks_by.expired:
                 missing = sorted(set(ep.members) - ep.acks)
@@ -269,7 +318,11 @@ class Coordinator:
             who, kind = item.src, item.event.kind
             if who in ep.members and kind in ("lost", "left"):
                 self.counters.add("agent_lost")
+                if self.asynchronous:
+                    return self._went(ep, who, kind)
                 return f"{who} {kind}", False
+            if self.asynchronous:
+                return "", False  # the epoch's members are fixed; the centre skips the lost
             if kind == "joined" and who in self.ck.shards and who not in ep.members:
                 return f"{who} came back", False
             return "", False
@@ -290,6 +343,8 @@ class Coordinator:
             self.counters.add("agent_nack")
             if str(msg.doc.get("why", "")).startswith("refused"):
                 self.refused[msg.src] = str(msg.doc["why"])
+            if self.asynchronous:
+                return self._went(ep, msg.src, f"stopped: {msg.doc.get('why', '')}")
             return f"{msg.src} stopped: {msg.doc.get('why', '')}", False
         elif msg.kind == "model" and msg.src == ep.members[0]:
             self._checkpoint(ep, msg)
@@ -297,6 +352,15 @@ class Coordinator:
         elif msg.kind == "bye":
             ep.done[msg.src] = msg.doc
             return "", True
+        return "", False
+
+    def _went(self, ep: _Epoch, who: str, why: str) -> tuple[str, bool]:
+        """An asynchronous job goes on without `who` (no re-formation); say so."""
+        if who not in ep.gone:
+            ep.gone.add(who)
+            log.warning("%s %s; the asynchronous job goes on without it", who, why)
+            self.events.append({"t": time.time(), "epoch": ep.number,
+                                "why": f"{who} {why}; went on without it"})  # fmt: skip
         return "", False
 
     def _on_metrics(self, ep: _Epoch, msg: ControlMessage) -> bool:
@@ -381,7 +445,7 @@ class Coordinator:
         hashes = sorted({str(d.get("sha256")) for d in ep.done.values()})
         if len(hashes) > 1:
             self.counters.add("hash_mismatch")
-        head = ep.done[ep.members[0]]
+        head = ep.done.get(ep.members[0]) or next(iter(ep.done.values()))
         self._publish_manifest("done")
         summary = {
             "job": self.ck.job,
@@ -404,6 +468,7 @@ class Coordinator:
             "bytes_received_by_coordinator": self.link.stats.bytes_received,
             "bytes_sent_by_coordinator": self.link.stats.bytes_sent,
             "centre_rounds": self.centre.served if self.centre is not None else 0,
+            "lost": sorted(ep.gone),
             "agent_bytes": {
                 a: {"ring": d.get("ring_bytes_sent", 0), "link": d.get("link_bytes_sent", 0)}
                 for a, d in ep.done.items()
@@ -413,11 +478,20 @@ class Coordinator:
             self.counters.add("checkpoint_not_final")
             log.error("checkpoint of round %d is not the agents' final model", self.ck.round)
         summary["checkpoint_round"] = self.ck.round
+        state = self.centre.state if self.centre is not None else None
+        if state is not None:  # asynchronous: the centre's versions, not an agent's cycles
+            summary["rounds"] = state.version
+            summary["staleness"] = {str(k): v for k, v in sorted(state.staleness.items())}
         if self.opts.export_onnx:
             summary["onnx"] = outputs.export(self.opts.out, self.counters)
         ring = [b["ring"] for b in summary["agent_bytes"].values()]
         summary["bytes_sent_per_agent"] = sum(ring) / max(len(ring), 1)
-        summary["layout"] = layout_name(self.spec.topology, len(ep.members))
+        n = len(ep.members)
+        summary["layout"] = (
+            "async star" if self.asynchronous
+            else f"star of {n}" if self.spec.topology == "star"
+            else layout_name(self.spec.topology, n)
+        )  # fmt: skip
         summary["coordinator_counters"] = self.counters.snapshot()
         rows = [self.rows[r] for r in sorted(self.rows)]
         outputs.write(self.opts.out, self.spec.replace(agents=len(ep.members)), summary, rows)

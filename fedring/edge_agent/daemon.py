@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from fedring.build import needs_centre
 from fedring.collective.channel import CollectiveError, CollectiveTimeout
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
@@ -194,7 +195,7 @@ class AgentDaemon:
                     self.centre.close()
                 self.centre = (
                     self.link.endpoint(topics.star(seg.job), private=True)
-                    if spec.topology == "star" else None
+                    if needs_centre(spec) else None
                 )  # fmt: skip
                 self.link_bytes_at_job = self.link.stats.bytes_sent
                 self.counters_at_job = self.counters.snapshot()  # bye reports this job's
@@ -242,7 +243,7 @@ class AgentDaemon:
         halt = run.halt
         patience = 3 * worker.spec.timeout_s
         every = worker.spec.checkpoint_every
-        head = self.me == seg.head
+        head = self.me == seg.head and worker.spec.sync != "async"  # async: the centre's model
         gate = (lambda r: run.gate(r, every, patience)) if head else None
         uploaded = [seg.start_round]
 

@@ -28,12 +28,18 @@ import torch
 
 from fedring import build
 from fedring.collective.channel import CollectiveError, PeerChannel
+from fedring.compression.error_feedback import ErrorFeedback
+from fedring.compression.group_topk import GroupTopK
+from fedring.compression.payload import Payload
 from fedring.config import JobSpec
 from fedring.counters import Counters
-from fedring.engine.centre import Centre
+from fedring.engine.centre import Centre, run_async_member
 from fedring.engine.group import Group
+from fedring.engine.local import LocalWork
 from fedring.engine.loop import Member, run
 from fedring.engine.plan import ModelMismatch, prepare
+from fedring.engine.reducer import compress_update
+from fedring.engine.sampler import ShardSampler
 from fedring.engine.task import Task, TaskError, check_task
 from fedring.firmware_profiles.apply import check_budget, dataset_bytes, estimate_memory
 from fedring.firmware_profiles.schema import Profile
@@ -122,6 +128,8 @@ class JobWorker:
         self.member: Member | None = None
         self.states: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.committed = 0  # rounds completed in the current state
+        # an async job's local work and its deltas' compressor (with error feedback)
+        self._async: tuple[LocalWork, Callable[[torch.Tensor], Payload]] | None = None
         self.step_s = probe_step(model, x, y, min(spec.batch_size, len(x)))
         # A derived start is held now; a sent one arrives as the round-0 "model".
         self.initial = flat_params(model) if spec.init == "derived" else None
@@ -210,7 +218,11 @@ class JobWorker:
     ) -> dict[str, Any]:
         """Run rounds from `seg.start_round` to the end; raise `CollectiveError` if cut.
 
-        A star job's updates go to the coordinator over `centre` (a private endpoint)."""
+        A star job's updates go to the coordinator over `centre` (a private endpoint),
+        an asynchronous job's deltas too (`run_async`)."""
+        if self.spec.sync == "async":
+            assert centre is not None, "an asynchronous job runs through the coordinator"
+            return self.run_async(seg, centre, key, counters, halt)
         spec = self.spec.replace(agents=len(seg.members))
         limits = FrameLimits(max_frame_bytes=seg.max_frame_bytes) if seg.max_frame_bytes else None
         channel = PeerChannel(endpoint, seg.channel_job, key=key, counters=counters,
@@ -242,6 +254,39 @@ class JobWorker:
             "sha256": params_sha256(self.model),
             "rollbacks": result.rollbacks,
         }
+
+
+    def run_async(
+        self, seg: Segment, centre: Endpoint, key: bytes, counters: Counters,
+        halt: threading.Event,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Push deltas to the coordinator and take its model until it says the job ended."""
+        spec = self.spec
+        limits = FrameLimits(max_frame_bytes=seg.max_frame_bytes) if seg.max_frame_bytes else None
+        channel = PeerChannel(centre, seg.channel_job, key=key, counters=counters, limits=limits)
+        if self._async is None:  # kept across segments: the batch order and the residual go on
+            sampler = ShardSampler(len(self.x), batch_size=spec.batch_size, seed=spec.seed,
+                                   rank=self.shard)  # fmt: skip
+            work = LocalWork(self.model, self.x, self.y, self.task.loss, sampler,
+                             build.optimizer(spec, self.task, self.model))  # fmt: skip
+            compressed = spec.compression == "group-topk"
+            topk = GroupTopK(spec.group_size, spec.k, spec.value_dtype) if compressed else None  # type: ignore[arg-type]
+            ef = ErrorFeedback(self.numel) if compressed and spec.error_feedback else None
+            self._async = (work, lambda delta: compress_update(delta, topk, ef)[0])
+        work, compress = self._async
+
+        def before(cycle: int) -> None:
+            if halt.is_set():
+                raise Halted(f"{self.me}: halted before cycle {cycle}")
+
+        cycles = run_async_member(
+            work, Centre(channel, topics.COORDINATOR), compress,
+            steps=spec.local_steps, lr=spec.lr, timeout_s=spec.timeout_s,
+            pace=build.speeds(spec)[self.shard], before=before,
+        )  # fmt: skip
+        test_loss, accuracy = self.task.evaluate(self.model, self.dataset)
+        return {"rounds": cycles, "accuracy": accuracy, "test_loss": test_loss,
+                "sha256": params_sha256(self.model), "rollbacks": 0}  # fmt: skip
 
 
 def _shard_and_model(

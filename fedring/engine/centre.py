@@ -20,20 +20,33 @@ then the coordinator's id).
     settings = CentreSettings(aggregation="median", rounds=100)
     served = serve(channel, members=("agent-0", "agent-1", "agent-2"), numel=d,
                    settings=settings)
+
+`serve_async` is the asynchronous centre (SEEDS B): it holds the model, takes
+each member's compressed delta as it comes, weights it by ``1 / (1 + staleness)
+** power`` (staleness: versions applied since that member last pulled), applies
+once `wait` deltas are in (soft synchronisation), and answers every delta with
+the current model at once, so a slow member never holds up the others and a lost
+one is only dropped. When the last version is applied each member's next delta
+is answered with ``phase="end"`` and the final model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from fedring.aggregation.rules import Aggregation, median, trimmed_mean
-from fedring.collective.channel import PeerChannel
-from fedring.compression.payload import PayloadLimits
+from fedring.collective.channel import CollectiveError, PeerChannel
+from fedring.compression.payload import Payload, PayloadLimits
 from fedring.compression.quantize import DenseCodec
 from fedring.transport.base import Deadline
+
+if TYPE_CHECKING:  # the engine's reducer imports this module: no cycle at run time
+    from fedring.engine.local import LocalWork
 
 STAR = "aggregator"  # the centre's endpoint name in-process
 
@@ -95,3 +108,111 @@ def serve(
             channel.send(m, down, round=r, step=0, phase="down", deadline=deadline)
         served += 1
     return served
+
+
+@dataclass(frozen=True)
+class AsyncSettings:
+    rounds: int = 1  # model versions to reach
+    start_version: int = 0
+    wait: int = 1  # soft synchronisation: apply after this many deltas (1: plain async)
+    staleness_power: float = 0.5  # a delta's weight: 1 / (1 + staleness) ** power
+    aggregation: str = "mean"  # mean | median | trimmed:B over one application's deltas
+    timeout_s: float = 60.0  # no delta from any member for this long ends the service
+
+
+@dataclass
+class AsyncState:
+    """The asynchronous centre's model and what it saw; `stop` ends it early (target)."""
+
+    model: torch.Tensor  # flat float32 parameters
+    version: int = 0
+    staleness: dict[int, int] = field(default_factory=dict)  # staleness -> deltas applied
+    lost: list[str] = field(default_factory=list)
+    stop: bool = False
+
+
+def serve_async(
+    channel: PeerChannel, members: tuple[str, ...], state: AsyncState, settings: AsyncSettings,
+    on_version: Callable[[AsyncState, str], None] | None = None,
+) -> AsyncState:  # fmt: skip
+    """Apply deltas until `settings.rounds` versions (or `state.stop`); end every member.
+
+    `on_version(state, member)` runs after each application (checkpoint, metrics,
+    evaluation; it may set `state.stop`). Raises `CollectiveError` when every
+    member is lost or none sent anything for `timeout_s`.
+    """
+    rule = Aggregation.parse(settings.aggregation)
+    alive = set(members)
+    pulled = dict.fromkeys(members, state.version)
+    limits = PayloadLimits(max_numel=state.model.numel())
+    buffer: list[torch.Tensor] = []
+    ended: set[str] = set()
+
+    def lost(member: str) -> None:
+        alive.discard(member)
+        state.lost.append(member)
+
+    while alive - ended:
+        (src, rnd, _step, _phase), delta = channel.recv_any(
+            alive - ended, phases=("up",), deadline=Deadline.after(settings.timeout_s),
+            limits=limits, on_lost=lost,
+        )  # fmt: skip
+        done = state.stop or state.version >= settings.rounds
+        if not done:
+            staleness = state.version - pulled[src]
+            state.staleness[staleness] = state.staleness.get(staleness, 0) + 1
+            buffer.append(delta.decompress() / (1.0 + staleness) ** settings.staleness_power)
+            if len(buffer) >= settings.wait:
+                stacked = torch.stack(buffer)
+                update = stacked.mean(dim=0) if rule.averaged else combine(stacked, rule)
+                state.model = state.model + update
+                state.version += 1
+                buffer.clear()
+                if on_version is not None:
+                    on_version(state, src)
+            done = state.stop or state.version >= settings.rounds
+        phase = "end" if done else "down"
+        channel.send(src, DenseCodec("fp32").compress(state.model), round=rnd, step=0,
+                     phase=phase, deadline=Deadline.after(settings.timeout_s))  # fmt: skip
+        pulled[src] = state.version
+        if done:
+            ended.add(src)
+    if not ended:
+        raise CollectiveError("every member of the asynchronous job was lost")
+    return state
+
+
+def run_async_member(
+    work: LocalWork, centre: Centre, compress: Callable[[torch.Tensor], Payload], *,
+    steps: int, lr: float, timeout_s: float, pace: float = 1.0,
+    before: Callable[[int], None] | None = None,
+    on_cycle: Callable[[int, dict[str, float]], None] | None = None,
+) -> int:  # fmt: skip
+    """An asynchronous member: `steps` local steps, push the compressed delta, take the
+    model the centre answers with; until it answers ``end``. Returns the cycles run.
+
+    `pace` > 1 makes the member that many times slower (it sleeps in proportion to
+    its compute): how a slow board is emulated on one machine.
+    """
+    limits = PayloadLimits(max_numel=work.params.numel())
+    cycle = 0
+    while True:
+        if before is not None:
+            before(cycle)
+        anchor = work.params
+        start = time.perf_counter()
+        losses = work.steps(steps, lr)
+        if pace > 1.0:
+            time.sleep((pace - 1.0) * (time.perf_counter() - start))
+        deadline = Deadline.after(timeout_s)
+        centre.channel.send(centre.name, compress(work.params - anchor), round=cycle, step=0,
+                            phase="up", deadline=deadline)  # fmt: skip
+        (_src, _rnd, _step, phase), model = centre.channel.recv_any(
+            (centre.name,), phases=("down", "end"), deadline=deadline, limits=limits
+        )
+        work.set_params(model.decompress())
+        cycle += 1
+        if on_cycle is not None:
+            on_cycle(cycle, {"loss": sum(losses) / max(len(losses), 1)})
+        if phase == "end":
+            return cycle

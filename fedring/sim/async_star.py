@@ -30,7 +30,7 @@ from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import PayloadLimits
 from fedring.compression.quantize import DenseCodec
-from fedring.config import JobSpec, SpecError
+from fedring.config import JobSpec
 from fedring.counters import Counters
 from fedring.engine.group import LOCAL_KEY
 from fedring.engine.local import LocalWork
@@ -42,20 +42,6 @@ from fedring.transport.base import Deadline
 from fedring.transport.inproc import InprocTransport
 
 CENTRE = "aggregator"
-
-
-def speeds(spec: JobSpec) -> list[float]:
-    """Per-agent time factors from ``slow = "F:RANK[,F:RANK...]"`` (default 1)."""
-    out = [1.0] * spec.agents
-    for item in filter(None, spec.slow.split(",")):
-        try:
-            factor, rank = item.split(":")
-            out[int(rank)] = float(factor)
-        except (ValueError, IndexError):
-            raise SpecError(
-                f"field 'slow'={spec.slow!r}: expected FACTOR:RANK with RANK < agents"
-            ) from None
-    return out
 
 
 def simulate_async(
@@ -82,7 +68,7 @@ def simulate_async(
     agg = Aggregation.parse(spec.aggregation)
     model = trainers[0].params
     version, pulled = 0, [0] * spec.agents
-    pace = speeds(spec)
+    pace = build.speeds(spec)
     events = [(spec.local_steps * pace[r], r) for r in range(spec.agents)]
     heapq.heapify(events)
     buffer: list[tuple[torch.Tensor, float]] = []

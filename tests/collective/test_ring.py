@@ -112,7 +112,10 @@ def test_bounded_conservation_with_arbitrary_floats(
     )
     total = run.results[0][0].double() + sum(r[1].double() for r in run.results)
     ref = torch.stack([s.decompress().double() for s in sparse]).sum(0)
-    torch.testing.assert_close(total, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()) + 1e-30)
+    # fp32 partial sums round at the inputs' magnitude, which cancellation can hide in
+    # `ref` (found: 1.54 - 2.17 + 0.66 = 0.037, off by one fp32 step of 2.17)
+    size = float(torch.stack([s.decompress().double().abs() for s in sparse]).sum(0).max())
+    torch.testing.assert_close(total, ref, rtol=1e-6, atol=1e-6 * size + 1e-30)
 
 
 @given(world=worlds, data=st.data())

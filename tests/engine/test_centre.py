@@ -1,0 +1,123 @@
+"""The centre of a star (`engine.centre`): one reply per round from every member's
+update, and the asynchronous centre's staleness weights, soft sync and ending."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from fedring.aggregation.rules import Aggregation
+from fedring.collective.channel import PeerChannel
+from fedring.compression.quantize import DenseCodec
+from fedring.engine.centre import (
+    STAR,
+    AsyncSettings,
+    AsyncState,
+    CentreSettings,
+    combine,
+    serve,
+    serve_async,
+)
+from fedring.engine.group import LOCAL_KEY
+from fedring.transport.base import Deadline
+from fedring.transport.inproc import InprocTransport
+
+D = 8
+
+
+def _channels(names: list[str]) -> tuple[InprocTransport, PeerChannel, dict[str, PeerChannel]]:
+    hub = InprocTransport()
+    centre = PeerChannel(hub.connect(STAR), "job", key=LOCAL_KEY)
+    return hub, centre, {n: PeerChannel(hub.connect(n), "job", key=LOCAL_KEY) for n in names}
+
+
+def _on_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _push(ch: PeerChannel, value: float, rnd: int) -> tuple[str, torch.Tensor]:
+    """A member's cycle: push a constant delta, take the centre's reply and its phase."""
+    deadline = Deadline.after(10)
+    ch.send(STAR, DenseCodec("fp32").compress(torch.full((D,), value)), round=rnd, step=0,
+            phase="up", deadline=deadline)  # fmt: skip
+    (_src, _r, _s, phase), model = ch.recv_any((STAR,), phases=("down", "end"), deadline=deadline)
+    return phase, model.decompress()
+
+
+def test_combine_sums_weighted_shares_and_takes_the_median() -> None:
+    ups = torch.tensor([[1.0, 10.0], [2.0, -5.0], [30.0, 0.0]])
+    assert combine(ups, Aggregation.parse("mean")).tolist() == [33.0, 5.0]
+    assert combine(ups, Aggregation.parse("median")).tolist() == [2.0, 0.0]
+    with pytest.raises(ValueError, match="sign vote runs on the ring"):
+        combine(ups, Aggregation.parse("vote"))
+
+
+def test_serve_sends_every_member_the_median_of_the_round() -> None:
+    names = ["a", "b", "c"]
+    _hub, centre, members = _channels(names)
+    thread, served = _on_thread(
+        lambda: serve(centre, tuple(names), D, CentreSettings("median", rounds=1))
+    )
+    for value, ch in zip([1.0, 5.0, -3.0], members.values(), strict=True):
+        ch.send(STAR, DenseCodec("fp32").compress(torch.full((D,), value)), round=0, step=0,
+                phase="up", deadline=Deadline.after(10))  # fmt: skip
+    replies = [
+        ch.recv(STAR, round=0, step=0, phase="down", deadline=Deadline.after(10)).decompress()
+        for ch in members.values()
+    ]
+    thread.join(10)
+    assert served == [1] and all(torch.equal(r, torch.full((D,), 1.0)) for r in replies)
+
+
+def test_async_centre_weights_stale_deltas_and_ends_every_member() -> None:
+    _hub, centre, members = _channels(["a", "b"])
+    state = AsyncState(torch.zeros(D))
+    settings = AsyncSettings(rounds=3, staleness_power=1.0, timeout_s=10)
+    versions: list[tuple[int, str]] = []
+    def seen(s: AsyncState, member: str) -> None:
+        versions.append((s.version, member))
+
+    thread, _ = _on_thread(lambda: serve_async(centre, ("a", "b"), state, settings, seen))
+    a, b = members["a"], members["b"]
+    assert _push(a, 1.0, 0)[0] == "down"  # v1 = 1          (a pulled 0: staleness 0)
+    assert _push(b, 2.0, 0)[0] == "down"  # v2 = 1 + 2 / 2   (b pulled 0: staleness 1)
+    phase, model = _push(a, 4.0, 1)  # v3 = 2 + 4 / 2        (a pulled 1: staleness 1)
+    assert phase == "end" and torch.equal(model, torch.full((D,), 4.0))
+    phase, model = _push(b, 8.0, 1)  # after the last version: not applied, told to end
+    thread.join(10)
+    assert phase == "end" and torch.equal(model, torch.full((D,), 4.0))
+    assert state.version == 3 and state.staleness == {0: 1, 1: 2}
+    assert versions == [(1, "a"), (2, "b"), (3, "a")] and not thread.is_alive()
+
+
+def test_async_soft_sync_applies_after_wait_deltas() -> None:
+    _hub, centre, members = _channels(["a", "b"])
+    state = AsyncState(torch.zeros(D))
+    thread, _ = _on_thread(lambda: serve_async(
+        centre, ("a", "b"), state, AsyncSettings(rounds=1, wait=2, timeout_s=10)))  # fmt: skip
+    phase, model = _push(members["a"], 1.0, 0)
+    assert phase == "down" and torch.equal(model, torch.zeros(D))  # buffered, not applied
+    phase, model = _push(members["b"], 3.0, 0)
+    assert phase == "end" and torch.equal(model, torch.full((D,), 2.0))  # mean of the two
+    assert _push(members["a"], 1.0, 1)[0] == "end"
+    thread.join(10)
+    assert state.version == 1
+
+
+def test_async_centre_goes_on_without_a_lost_member() -> None:
+    hub, centre, members = _channels(["a", "b"])
+    state = AsyncState(torch.zeros(D))
+    thread, _ = _on_thread(lambda: serve_async(
+        centre, ("a", "b"), state, AsyncSettings(rounds=2, timeout_s=10)))  # fmt: skip
+    hub.kill("b")
+    assert _push(members["a"], 1.0, 0)[0] == "down"
+    assert _push(members["a"], 1.0, 1)[0] == "end"
+    thread.join(10)
+    assert not thread.is_alive() and state.lost == ["b"] and state.version == 2
