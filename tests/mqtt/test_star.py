@@ -8,14 +8,16 @@ and sends all four the same reply. The job ends with the parameters
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 
 from fedring.config import JobSpec
+from fedring.coordinator.checkpoint import Checkpoint
 from fedring.sim.runner import simulate
 from fedring.transport.mosquitto import Mosquitto
-from tests.mqtt.conftest import Fleet, coordinator, finish
+from tests.mqtt.conftest import Fleet, coordinator, finish, wait_for
 
 STAR_JOB = """[job]
 agents = 4
@@ -50,3 +52,39 @@ def test_star_through_the_coordinator_matches_simulate(
     # Up: one compressed update a round (group-top-k 1%, fp16 values): far below dense.
     dense_up = 30 * local["params"] * 4
     assert 0 < summary["bytes_sent_per_agent"] < dense_up / 10
+
+
+def _checkpoint_round(out: Path) -> int:
+    return Checkpoint.load(out).round if (out / "checkpoint.pt").exists() else -1
+
+
+def test_star_coordinator_killed_and_resumed_ends_with_the_simulate_hash(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    job = _job(tmp_path, "median", rounds=120)
+    out = tmp_path / "run"
+    proc = coordinator(broker.url, job, out)
+    wait_for(lambda: _checkpoint_round(out) >= 40, 90, "round 40")
+    proc.kill()  # the centre goes with it: the agents' round times out, they halt
+    proc.wait(10)
+    summary = finish(coordinator(broker.url, job, out, "--resume"))
+    assert summary["rounds"] == 120 and summary["identical_models"]
+    assert summary["model_hashes"] == simulate(JobSpec.from_toml(job))["model_hashes"]
+
+
+def test_star_job_re_forms_without_a_killed_agent(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    job = _job(tmp_path, "trimmed:0.25", rounds=150)
+    out = tmp_path / "run"
+    proc = coordinator(broker.url, job, out)
+    wait_for(lambda: _checkpoint_round(out) >= 30, 90, "round 30")
+    fleet.kill("a2", signal.SIGKILL)
+    try:
+        wait_for(lambda: _checkpoint_round(out) >= 60, 90, "round 60 without a2")
+    finally:
+        fleet.start("a2")
+    summary = finish(proc)
+    assert any("a2" in e["why"] for e in summary["events"]), summary["events"]
+    assert summary["rounds"] == 150 and summary["identical_models"]
+    assert summary["reformations"] >= 1
