@@ -47,6 +47,30 @@ def job_file(tmp: Path, agents: int = 4, rounds: int = 600, target: float = 0.95
     return path
 
 
+def job_toml(tmp: Path, **fields: object) -> Path:
+    """`tmp`/job.toml: 4 agents on digits, seed 0, a 20 s step deadline, then `fields`."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    job = {"agents": 4, "dataset": "digits", "eval_every": 10, "seed": 0, "timeout_s": 20.0}
+    lines = [f"{k} = {json.dumps(v)}" for k, v in {**job, **fields}.items()]
+    path = tmp / "job.toml"
+    path.write_text("\n".join(["[job]", *lines, ""]))
+    return path
+
+
+def checkpoint_round(out: Path) -> int:
+    """The round of the coordinator's checkpoint in `out` (-1: none yet)."""
+    from fedring.coordinator.checkpoint import Checkpoint
+
+    return Checkpoint.load(out).round if (out / "checkpoint.pt").exists() else -1
+
+
+def started(url: str, job: Path, out: Path, round: int) -> subprocess.Popen[bytes]:
+    """A coordinator process for `job`, once it has checkpointed `round`."""
+    proc = coordinator(url, job, out)
+    wait_for(lambda: checkpoint_round(out) >= round, 90, f"round {round}")
+    return proc
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"

@@ -15,28 +15,14 @@ from pathlib import Path
 from fedring.config import JobSpec
 from fedring.sim.runner import simulate
 from fedring.transport.mosquitto import Mosquitto
-from tests.mqtt.conftest import Fleet, coordinator, finish, wait_for
+from tests.mqtt.conftest import Fleet, coordinator, finish, job_toml, wait_for
 
-ASYNC_JOB = """[job]
-agents = 4
-dataset = "digits"
-sync = "async"
-slow = "3:0"
-async_wait = {wait}
-rounds = {rounds}
-eval_every = 20
-target_accuracy = {target}
-seed = 0
-timeout_s = 20.0
-"""
 BAND = 0.03  # accuracy within this of `fedring simulate`'s for the same job
 
 
 def _job(tmp: Path, rounds: int = 200, wait: int = 1, target: float = 0.0) -> Path:
-    tmp.mkdir(parents=True, exist_ok=True)
-    path = tmp / "async.toml"
-    path.write_text(ASYNC_JOB.format(rounds=rounds, wait=wait, target=target))
-    return path
+    return job_toml(tmp, sync="async", slow="3:0", async_wait=wait, rounds=rounds,
+                    eval_every=20, target_accuracy=target)  # fmt: skip
 
 
 def test_async_job_with_a_slow_agent_reaches_the_simulators_band(

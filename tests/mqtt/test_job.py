@@ -21,7 +21,15 @@ from fedring.config import JobSpec
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.sim.runner import simulate
 from fedring.transport.mosquitto import Mosquitto
-from tests.mqtt.conftest import Fleet, coordinator, finish, job_file, wait_for
+from tests.mqtt.conftest import (
+    Fleet,
+    checkpoint_round,
+    coordinator,
+    finish,
+    job_file,
+    started,
+    wait_for,
+)
 
 LIBRARY_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "library_digits.py"
 THREADS: list[dict[str, int]] = []  # threads per agent at the end of each job
@@ -50,19 +58,12 @@ def _retained(broker: Mosquitto, topic: str) -> list[bytes]:
     return got
 
 
-def _checkpoint_round(out: Path) -> int:
-    path = out / "checkpoint.pt"
-    return Checkpoint.load(out).round if path.exists() else -1
-
-
 def _started(
     broker: Mosquitto, job: Path, tmp_path: Path, round: int
 ) -> tuple[subprocess.Popen[bytes], Path]:
     """A coordinator process for `job`, once it has checkpointed `round`."""
     out = tmp_path / "run"
-    proc = coordinator(broker.url, job, out)
-    wait_for(lambda: _checkpoint_round(out) >= round, 90, f"round {round}")
-    return proc, out
+    return started(broker.url, job, out, round), out
 
 
 def test_four_agents_reach_95_percent_with_the_simulator_and_library_hash(
@@ -150,7 +151,7 @@ def test_kill_9_an_agent_then_it_rejoins(broker: Mosquitto, fleet: Fleet, tmp_pa
     proc, out = _started(broker, job, tmp_path, 30)
     killed_at = time.time()
     fleet.kill("a2", signal.SIGKILL)
-    wait_for(lambda: _checkpoint_round(out) >= 60, 90, "round 60 without a2")
+    wait_for(lambda: checkpoint_round(out) >= 60, 90, "round 60 without a2")
     fleet.start("a2")
     summary = finish(proc)
     # Seen by the coordinator's own presence watch, or first by a neighbour's nack.
@@ -173,7 +174,7 @@ def test_coordinator_killed_and_resumed_loses_at_most_one_round(
     first_run_s = time.monotonic() - began
     proc.kill()
     proc.wait(10)
-    saved = _checkpoint_round(out)
+    saved = checkpoint_round(out)
     wait_for(lambda: fleet.log("a0").count("stopped at round") > before, 30, "agents to halt")
     summary = finish(coordinator(broker.url, job, out, "--resume"))
     stopped = [int(line.rsplit("at round ", 1)[1].split(":")[0])

@@ -10,26 +10,14 @@ import pytest
 from fedring.config import JobSpec
 from fedring.sim.runner import simulate
 from fedring.transport.mosquitto import Mosquitto
-from tests.mqtt.conftest import Fleet, coordinator, finish
-
-MODE_JOB = """[job]
-agents = 4
-dataset = "digits"
-sync = "{sync}"
-local_steps = 4
-rounds = 40
-eval_every = 10
-seed = 0
-timeout_s = 20.0
-"""
+from tests.mqtt.conftest import Fleet, coordinator, finish, job_toml
 
 
 @pytest.mark.parametrize("sync", ["local", "adaptive"])
 def test_ring_mode_matches_simulate(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path, sync: str
 ) -> None:
-    job = tmp_path / "mode.toml"
-    job.write_text(MODE_JOB.format(sync=sync))
+    job = job_toml(tmp_path, sync=sync, local_steps=4, rounds=40)
     summary = finish(coordinator(broker.url, job, tmp_path / "run"))
     local = simulate(JobSpec.from_toml(job))
     assert summary["identical_models"] and summary["reformations"] == 0

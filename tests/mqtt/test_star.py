@@ -14,28 +14,21 @@ from pathlib import Path
 import pytest
 
 from fedring.config import JobSpec
-from fedring.coordinator.checkpoint import Checkpoint
 from fedring.sim.runner import simulate
 from fedring.transport.mosquitto import Mosquitto
-from tests.mqtt.conftest import Fleet, coordinator, finish, wait_for
-
-STAR_JOB = """[job]
-agents = 4
-dataset = "digits"
-topology = "star"
-aggregation = "{aggregation}"
-rounds = {rounds}
-eval_every = 10
-seed = 0
-timeout_s = 20.0
-"""
+from tests.mqtt.conftest import (
+    Fleet,
+    checkpoint_round,
+    coordinator,
+    finish,
+    job_toml,
+    started,
+    wait_for,
+)
 
 
 def _job(tmp: Path, aggregation: str, rounds: int = 30) -> Path:
-    tmp.mkdir(parents=True, exist_ok=True)
-    path = tmp / "star.toml"
-    path.write_text(STAR_JOB.format(aggregation=aggregation, rounds=rounds))
-    return path
+    return job_toml(tmp, topology="star", aggregation=aggregation, rounds=rounds)
 
 
 @pytest.mark.parametrize("aggregation", ["mean", "median", "trimmed:0.25"])
@@ -54,17 +47,12 @@ def test_star_through_the_coordinator_matches_simulate(
     assert 0 < summary["bytes_sent_per_agent"] < dense_up / 10
 
 
-def _checkpoint_round(out: Path) -> int:
-    return Checkpoint.load(out).round if (out / "checkpoint.pt").exists() else -1
-
-
 def test_star_coordinator_killed_and_resumed_ends_with_the_simulate_hash(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
     job = _job(tmp_path, "median", rounds=120)
     out = tmp_path / "run"
-    proc = coordinator(broker.url, job, out)
-    wait_for(lambda: _checkpoint_round(out) >= 40, 90, "round 40")
+    proc = started(broker.url, job, out, 40)
     proc.kill()  # the centre goes with it: the agents' round times out, they halt
     proc.wait(10)
     summary = finish(coordinator(broker.url, job, out, "--resume"))
@@ -77,11 +65,10 @@ def test_star_job_re_forms_without_a_killed_agent(
 ) -> None:
     job = _job(tmp_path, "trimmed:0.25", rounds=150)
     out = tmp_path / "run"
-    proc = coordinator(broker.url, job, out)
-    wait_for(lambda: _checkpoint_round(out) >= 30, 90, "round 30")
+    proc = started(broker.url, job, out, 30)
     fleet.kill("a2", signal.SIGKILL)
     try:
-        wait_for(lambda: _checkpoint_round(out) >= 60, 90, "round 60 without a2")
+        wait_for(lambda: checkpoint_round(out) >= 60, 90, "round 60 without a2")
     finally:
         fleet.start("a2")
     summary = finish(proc)
