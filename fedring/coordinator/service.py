@@ -260,9 +260,7 @@ class Coordinator:
             if self.opts.on_round is not None:
                 self.opts.on_round(rnd - 1, row)
             if params is not None:
-                self.ck.params, self.ck.round, self.ck.epoch = params, rnd, ep.number
-                self.ck.events, self.ck.wall_s = self.events, self._wall()
-                self.ck.save(self.opts.out)
+                self._save(ep, params, rnd)
 
     def _segment(self, ep: _Epoch) -> bool:
         """Run the ring of `ep.members` until done (True) or until it must re-form."""
@@ -397,12 +395,17 @@ class Coordinator:
             self.counters.add("checkpoint_bad_sha256")
             log.error("checkpoint of round %d from %s: sha256 mismatch", msg.round, msg.src)
             return
-        self.ck.params, self.ck.round, self.ck.epoch = params, msg.round, ep.number
-        self.ck.events, self.ck.wall_s = self.events, self._wall()
-        self.ck.save(self.opts.out)
+        self._save(ep, params, msg.round)
         # The head waits for this before starting the round: agents never get more
         # than one round ahead of what a restarted coordinator can resume from.
         self._send(msg.src, "ack", {"epoch": ep.number, "round": msg.round})
+
+    def _save(self, ep: _Epoch, params: torch.Tensor, rnd: int) -> None:
+        """Checkpoint the model at the start of round `rnd`, atomically."""
+        assert self.ck is not None
+        self.ck.params, self.ck.round, self.ck.epoch = params, rnd, ep.number
+        self.ck.events, self.ck.wall_s = self.events, self._wall()
+        self.ck.save(self.opts.out)
 
     def _reform(self, ep: _Epoch, why: str) -> bool:
         """Halt the survivors and wait until they stopped; the caller starts a new epoch."""
