@@ -41,6 +41,7 @@ from fedring.config import JobSpec
 from fedring.coordinator import outputs
 from fedring.coordinator.centre import StarCentre
 from fedring.coordinator.checkpoint import Checkpoint
+from fedring.coordinator.manifest import segment_docs
 from fedring.coordinator.membership import Fleet
 from fedring.counters import Counters
 from fedring.engine.plan import Plan
@@ -267,15 +268,9 @@ class Coordinator:
         ck = self.ck
         assert ck is not None
         log.info("epoch %d: ring %s from round %d", ep.number, ep.members, ep.start)
-        head = ep.members[0]
-        for agent in ep.members:
-            doc = {
-                "job": ck.job, "epoch": ep.number, "key": ck.key.hex(), "members": ep.members,
-                "head": head, "shard": ck.shards[agent], "spec": ck.spec,
-                "shards": ck.shard_manifest, "model_sha256": ck.model_sha256,
-                "start_round": ep.start, "params_sha256": ck.params_sha256,
-                "max_frame_bytes": self.fleet.frame_bytes(ep.members), "task": ck.task or None,
-            }  # fmt: skip
+        docs = segment_docs(ck, ep.members, ep.number, ep.start,
+                            self.fleet.frame_bytes(ep.members))  # fmt: skip
+        for agent, doc in docs.items():
             self._send(agent, "manifest", doc, sign=False)
             if ck.params is not None:
                 blob = ck.params.numpy().astype("<f4").tobytes()

@@ -185,7 +185,7 @@ class AgentDaemon:
             if self.worker is None or self.worker.job != seg.job:
                 spec = JobSpec.from_mapping(doc["spec"])
                 self.worker = JobWorker(
-                    self.me, seg.job, spec, int(doc["shard"]), doc["shards"],
+                    self.me, seg.job, spec, int(doc["shard"]), doc["shard_entry"],
                     str(doc["model_sha256"]), self.data_dir, self.budget,
                     task=doc.get("task"), allowed_modules=self.allowed_modules,
                 )  # fmt: skip

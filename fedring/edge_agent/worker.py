@@ -51,7 +51,12 @@ from fedring.training.models import (
     params_sha256,
     set_flat_params,
 )
-from fedring.training.sharding import ShardManifest, make_shards, shard_data, verify_shard
+from fedring.training.sharding import (
+    ShardEntry,
+    make_shards,
+    shard_data,
+    verify_shard,
+)
 from fedring.transport import topics
 from fedring.transport.base import Endpoint
 from fedring.wire.frame import FrameLimits
@@ -104,20 +109,21 @@ class JobWorker:
         except TaskError as exc:
             raise JobRefused(str(exc)) from None
         dataset = self.task.dataset(spec.seed)
-        shards_manifest = ShardManifest.from_dict(manifest)
-        if shards_manifest.n_agents != spec.agents:
-            raise JobRefused(f"manifest has {shards_manifest.n_agents} shards, job {spec.agents}")
+        entry = ShardEntry.from_dict(manifest)  # ShardError: the daemon refuses the job
+        if entry.n_agents != spec.agents or entry.rank != shard:
+            raise JobRefused(f"shard entry {entry.rank} of {entry.n_agents}, job: shard "
+                             f"{shard} of {spec.agents}")  # fmt: skip
         index = make_shards(dataset.y_train.numpy(), spec.agents, spec.sharding, spec.seed)[shard]
         if spec.init == "derived":
             try:
                 model, x, y = prepare(
-                    self.task, dataset, shards_manifest, index, shard, seed=spec.seed,
+                    self.task, dataset, entry, index, shard, seed=spec.seed,
                     model_sha256=model_sha256, initial=None,
                 )  # fmt: skip
             except ModelMismatch as exc:
                 raise JobRefused(str(exc)) from None
         else:
-            model, x, y = _shard_and_model(self.task, dataset, shards_manifest, index, shard,
+            model, x, y = _shard_and_model(self.task, dataset, entry, index, shard,
                                            spec.seed)  # fmt: skip
         if budget is not None:  # refuse before training, with the estimate and the budget
             data = dataset_bytes(dataset)
@@ -290,7 +296,7 @@ class JobWorker:
 
 
 def _shard_and_model(
-    task: Task, dataset: Dataset, manifest: ShardManifest, index: Any, shard: int, seed: int
+    task: Task, dataset: Dataset, manifest: ShardEntry, index: Any, shard: int, seed: int
 ) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     """The shard verified, the model built to be overwritten by the sent start."""
     x, y = shard_data(dataset, index)

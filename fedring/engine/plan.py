@@ -25,6 +25,7 @@ from fedring.engine.task import Task, TaskId, task_id
 from fedring.training.datasets import Dataset
 from fedring.training.models import flat_params, flat_sha256, params_sha256, set_flat_params
 from fedring.training.sharding import (
+    ShardEntry,
     ShardManifest,
     build_manifest,
     make_shards,
@@ -70,10 +71,12 @@ def plan(
 
 
 def prepare(
-    task: Task, dataset: Dataset, manifest: ShardManifest, index: np.ndarray, rank: int, *,
+    task: Task, dataset: Dataset, manifest: ShardManifest | ShardEntry, index: np.ndarray,
+    rank: int, *,
     seed: int, model_sha256: str, initial: torch.Tensor | None,
 ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Verify shard `rank` (the rows `index` of `dataset`) against the manifest and
+    """Verify shard `rank` (the rows `index` of `dataset`) against the manifest (or
+    the one entry of it the member was sent) and
     build the starting model: the `initial` parameters if sent, else derived locally.
 
     Raises `ShardError` for a wrong shard and `ModelMismatch` for a wrong start.

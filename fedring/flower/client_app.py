@@ -32,14 +32,14 @@ from fedring.flower.node import (
     evaluate,
     mix_personal,
     ring_weight,
+    shard_sizes,
     train_round,
 )
 from fedring.training.models import flat_sha256
-from fedring.training.sharding import ShardManifest
 
 SERVER = "server"
 _ARRAYS, _META, _JOB = "fedring.node", "fedring.meta", "fedring.job"
-_SIZES, _RING = "fedring.sizes", "fedring.ring-round"
+_RING = "fedring.ring-round"
 
 app = ClientApp()
 
@@ -62,16 +62,13 @@ def enrol_node(msg: Message, context: Context) -> Message:
     job = msg.content.config_records["job"]
     plan = msg.content.config_records["plan"]
     spec = spec_from_config(job)
-    manifest = ShardManifest.from_dict(
-        {k: plan[k] for k in ("dataset", "scheme", "seed", "n_agents", "sizes", "digests")}
-    )
     sent = msg.content.config_records.get("initial")
     initial = initial_params(sent["params"]) if sent is not None else None  # type: ignore[arg-type]
-    state = enrol(spec, _partition(context), manifest, str(plan["model_sha256"]), initial)
+    state = enrol(spec, _partition(context), str(plan["table_sha256"]),
+                  str(plan["model_sha256"]), initial)  # fmt: skip
     _store(context, state)
     context.state[_JOB] = ConfigRecord(dict(job))
-    context.state[_SIZES] = ConfigRecord({"sizes": list(manifest.sizes)})
-    reply = ConfigRecord({"rank": state.rank, "samples": manifest.sizes[state.rank]})
+    reply = ConfigRecord({"rank": state.rank, "samples": shard_sizes(spec)[state.rank]})
     return Message(RecordDict({"enrol": reply}), reply_to=msg)
 
 
@@ -138,7 +135,7 @@ def ring_round(msg: Message, context: Context) -> Message:
     """One step of a ring relayed by the ServerApp (see `fedring.flower.ring_relay`)."""
     torch.set_num_threads(1)
     spec = spec_from_config(context.state.config_records[_JOB])
-    sizes = [int(v) for v in context.state.config_records[_SIZES]["sizes"]]  # type: ignore[union-attr]
+    sizes = shard_sizes(spec)
     state = _load(context)
     if "fedring" in msg.content.config_records:  # step 0: this round's lr and evaluation
         context.state[_RING] = ConfigRecord(dict(msg.content.config_records["fedring"]))

@@ -31,7 +31,7 @@ from fedring.engine.plan import Plan, prepare
 from fedring.engine.reducer import compress_update
 from fedring.engine.sampler import ShardSampler
 from fedring.training.models import flat_params, flat_sha256
-from fedring.training.sharding import ShardManifest, shard_data
+from fedring.training.sharding import ShardError, shard_data
 
 
 class OutOfSync(ValueError):
@@ -79,19 +79,27 @@ def _shard_and_model(
 
 
 def enrol(
-    spec: JobSpec, rank: int, manifest: ShardManifest, model_sha256: str,
+    spec: JobSpec, rank: int, table_sha256: str, model_sha256: str,
     initial: torch.Tensor | None = None,
 ) -> NodeState:  # fmt: skip
     """Verify this node's shard and initial model against the ServerApp's plan: the
-    start is the `initial` parameters the ServerApp sent, checked by sha256 (or, with
-    ``init = "derived"``, this node's own seeded build, refused if it differs)."""
+    node shards the data itself and its shard table must hash to the ServerApp's
+    (`table_sha256`: the table is named, never sent, so enrolment is the same size at
+    any N); the start is the `initial` parameters the ServerApp sent, checked by
+    sha256 (or, with ``init = "derived"``, this node's own seeded build, refused if it
+    differs)."""
     if not 0 <= rank < spec.agents:
         raise ValueError(f"node_config 'partition-id'={rank} not in [0, {spec.agents})")
     if spec.init == "sent" and initial is None:
         raise ValueError("init='sent': the enrol message carries no initial parameters")
     p = _plan(spec)
+    if (mine := p.manifest.sha256()) != table_sha256:
+        raise ShardError(
+            f"node {rank}: its shard table hashes to {mine[:12]}..., the ServerApp's to "
+            f"{table_sha256[:12]}...: the dataset or its sharding differs on this node"
+        )
     model, _, _ = prepare(
-        p.task, p.dataset, manifest, p.shards[rank], rank, seed=spec.seed,
+        p.task, p.dataset, p.manifest.entry(rank), p.shards[rank], rank, seed=spec.seed,
         model_sha256=model_sha256, initial=initial if spec.init == "sent" else None,
     )  # fmt: skip
     work = _work(spec, rank)
@@ -195,6 +203,11 @@ def train_round(
         own = vec * -lr if spec.sync == "sync" else vec
         new.own = own / scale if scale != 1.0 else own
     return new, RoundResult(payload, loss, work.sampler.samples_seen - before, error)
+
+
+def shard_sizes(spec: JobSpec) -> list[int]:
+    """Every shard's size, from this node's own plan (its table's hash was checked)."""
+    return list(_plan(spec).manifest.sizes)
 
 
 def ring_weight(spec: JobSpec, sizes: list[int], members: list[int], rank: int) -> float:

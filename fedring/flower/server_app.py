@@ -53,19 +53,25 @@ def wait_for_nodes(grid: Grid, n: int, timeout_s: float) -> list[int]:
         time.sleep(0.5)
 
 
+def enrol_content(spec: JobSpec, p: Plan) -> RecordDict:
+    """The enrol message's content, the same for every node: the job, the initial
+    model's sha256 and the shard table's, and (``init = "sent"``) the initial model.
+
+    The shard table is named by its sha256, not sent: a node shards the data itself
+    and checks its table's hash, so the message is the same size at any N."""
+    plan_cfg = ConfigRecord({"table_sha256": p.manifest.sha256(), "model_sha256": p.model_sha256})
+    content = RecordDict({"job": ConfigRecord(spec_to_config(spec)), "plan": plan_cfg})
+    if spec.init == "sent":  # SEEDS A: the start is sent, so every architecture holds its bits
+        content["initial"] = ConfigRecord({"params": initial_bytes(p.initial)})
+    return content
+
+
 def enrol(
     grid: Grid, spec: JobSpec, p: Plan, nodes: list[int], timeout_s: float
 ) -> dict[int, int]:  # fmt: skip
     """Send every node the job, the plan and the initial parameters; return node id ->
     rank of those that agree. `RunFailed` names every node that refused or stayed silent."""
-    m = p.manifest
-    plan_cfg = ConfigRecord({
-        "dataset": m.dataset, "scheme": m.scheme, "seed": m.seed, "n_agents": m.n_agents,
-        "sizes": list(m.sizes), "digests": list(m.digests), "model_sha256": p.model_sha256,
-    })  # fmt: skip
-    content = RecordDict({"job": ConfigRecord(spec_to_config(spec)), "plan": plan_cfg})
-    if spec.init == "sent":  # SEEDS A: the start is sent, so every architecture holds its bits
-        content["initial"] = ConfigRecord({"params": initial_bytes(p.initial)})
+    content = enrol_content(spec, p)
     msgs = [Message(content, dst_node_id=n, message_type=f"{MessageType.QUERY}.enrol")
             for n in nodes]  # fmt: skip
     ranks: dict[int, int] = {}

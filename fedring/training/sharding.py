@@ -20,6 +20,7 @@ sha256 so an agent can refuse to train on data that is not what the job planned.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -162,6 +163,19 @@ class ShardManifest:
             "digests": list(self.digests),
         }
 
+    def sha256(self) -> str:
+        """The table's content address: sha256 of its canonical JSON."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def entry(self, rank: int) -> ShardEntry:
+        """Shard `rank`'s row, all an agent needs to check its own shard: its size
+        stays the same whatever the number of agents (the table is named by hash)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.n_agents:
+            raise ShardError(f"rank {rank!r} out of range 0..{self.n_agents - 1}")
+        return ShardEntry(self.dataset, self.scheme, self.seed, self.n_agents, rank,
+                          self.sizes[rank], self.digests[rank], self.sha256())  # fmt: skip
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ShardManifest:
         """Validate and rebuild a manifest; ShardError names the first bad field."""
@@ -188,10 +202,52 @@ class ShardManifest:
         )
 
 
-def _check_type(field: str, value: Any, kind: type) -> None:
+@dataclass(frozen=True)
+class ShardEntry:
+    """One agent's row of a `ShardManifest`, with the whole table's sha256."""
+
+    dataset: str
+    scheme: str
+    seed: int
+    n_agents: int
+    rank: int
+    size: int
+    digest: str  # sha256 hex of this shard's (x, y)
+    table: str  # sha256 of the manifest's canonical JSON (`ShardManifest.sha256`)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.n_agents:
+            raise ShardError(f"entry: rank {self.rank} out of range 0..{self.n_agents - 1}")
+        for name in ("digest", "table"):
+            value = getattr(self, name)
+            if len(value) != 64 or not _DIGEST_HEX.issuperset(value):
+                raise ShardError(f"entry.{name}={value!r} is not a sha256 hex string")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in _ENTRY_FIELDS}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ShardEntry:
+        """Validate and rebuild an entry; ShardError names the first bad field."""
+        if not isinstance(d, Mapping):
+            raise ShardError(f"shard entry: expected a mapping, got {type(d).__name__}")
+        for key, kind in _ENTRY_FIELDS.items():
+            if key not in d:
+                raise ShardError(f"shard entry: missing field {key!r}")
+            _check_type(key, d[key], kind, "entry")
+        return cls(**{key: d[key] for key in _ENTRY_FIELDS})
+
+
+_ENTRY_FIELDS: dict[str, type] = {
+    "dataset": str, "scheme": str, "seed": int, "n_agents": int, "rank": int, "size": int,
+    "digest": str, "table": str,
+}  # fmt: skip
+
+
+def _check_type(field: str, value: Any, kind: type, where: str = "manifest") -> None:
     # bool is an int subclass; a manifest saying seed=true is corrupt, not seed 1.
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise ShardError(f"manifest.{field}: expected {kind.__name__}, got {value!r}")
+        raise ShardError(f"{where}.{field}: expected {kind.__name__}, got {value!r}")
 
 
 def shard_digest(x: torch.Tensor, y: torch.Tensor) -> str:
@@ -233,23 +289,31 @@ def build_manifest(
     return ShardManifest(dataset.name, scheme, seed, len(shards), sizes, digests)
 
 
-def verify_shard(manifest: ShardManifest, rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Check that ``(x, y)`` is exactly shard ``rank`` of ``manifest``.
+def verify_shard(
+    manifest: ShardManifest | ShardEntry, rank: int, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """Check that ``(x, y)`` is exactly shard ``rank`` of ``manifest`` (the whole
+    table, or the one row an agent is sent).
 
     Raises
     ------
     ShardError
-        Rank out of range, wrong number of samples, or a digest mismatch; the message
-        names the shard and both values.
+        Rank out of range (or not the entry's), wrong number of samples, or a digest
+        mismatch; the message names the shard and both values.
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < manifest.n_agents:
         raise ShardError(f"rank {rank!r} out of range 0..{manifest.n_agents - 1}")
-    want_size = manifest.sizes[rank]
+    if isinstance(manifest, ShardEntry):
+        if rank != manifest.rank:
+            raise ShardError(f"shard {rank}: the entry sent is shard {manifest.rank}'s")
+        want_size, want = manifest.size, manifest.digest
+    else:
+        want_size, want = manifest.sizes[rank], manifest.digests[rank]
     if len(x) != want_size or len(y) != want_size:
         raise ShardError(
             f"shard {rank}: {len(x)} samples / {len(y)} labels != manifest size {want_size}"
         )
-    got, want = shard_digest(x, y), manifest.digests[rank]
+    got = shard_digest(x, y)
     if got != want:
         raise ShardError(
             f"shard {rank}: sha256 {got[:12]}… != manifest {want[:12]}…; refusing to train on it"

@@ -19,7 +19,7 @@ from fedring.transport.inproc import InprocTransport
 def _worker(every: int) -> JobWorker:
     spec = JobSpec(agents=2, rounds=20, checkpoint_every=every)
     p = plan(spec)
-    w = JobWorker("a0", "job-1", spec, 0, p.manifest.to_dict(), p.model_sha256)
+    w = JobWorker("a0", "job-1", spec, 0, p.manifest.entry(0).to_dict(), p.model_sha256)
     solo = Group.on(InprocTransport().connect("a0"), ("a0",), job="job-1", key=None)
     w.bind(solo)  # the member whose states are kept
     return w
@@ -72,7 +72,7 @@ def test_the_ring_frame_size_from_the_manifest_is_used() -> None:
     spec = JobSpec(agents=2, rounds=2, compression="none", eval_every=2)
     p = plan(spec)
     hub = InprocTransport()
-    workers = [JobWorker(f"a{i}", "job-1", spec, i, p.manifest.to_dict(), p.model_sha256)
+    workers = [JobWorker(f"a{i}", "job-1", spec, i, p.manifest.entry(i).to_dict(), p.model_sha256)
                for i in range(2)]  # fmt: skip
     ends = [hub.connect(w.me) for w in workers]
     results: list[dict] = [{}, {}]

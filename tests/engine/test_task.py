@@ -76,7 +76,7 @@ def test_regression_targets_are_float_with_zero_classes() -> None:
 
 def _worker(spec: JobSpec, task: dict[str, str], allowed: tuple[str, ...]) -> JobWorker:
     p = build.plan(spec)
-    return JobWorker("a0", "j", spec, 0, p.manifest.to_dict(), p.model_sha256, task=task,
+    return JobWorker("a0", "j", spec, 0, p.manifest.entry(0).to_dict(), p.model_sha256, task=task,
                      allowed_modules=allowed)  # fmt: skip
 
 

@@ -101,7 +101,7 @@ def test_the_ring_runs_while_the_next_gradient_is_computed(monkeypatch: pytest.M
 def test_the_pending_gradient_is_kept_and_restored_with_the_agents_state() -> None:
     spec = JobSpec(agents=2, update_delay=1, rounds=10)
     p = build.plan(spec)
-    worker = JobWorker("a", "job", spec, 0, p.manifest.to_dict(), p.model_sha256)
+    worker = JobWorker("a", "job", spec, 0, p.manifest.entry(0).to_dict(), p.model_sha256)
     group = local_group(2)[0]
     worker.member = build.member(spec, worker.task, worker.dataset, worker.model, worker.x,
                                  worker.y, group, rank=0, weight=0.5)  # fmt: skip

@@ -85,7 +85,7 @@ def test_a_job_too_large_for_a_zero_2w_is_refused_with_both_numbers() -> None:
 
 def test_the_agent_worker_refuses_before_training() -> None:
     p = plan(BIG)
-    args = ("a0", "job", BIG, 0, p.manifest.to_dict(), p.model_sha256)
+    args = ("a0", "job", BIG, 0, p.manifest.entry(0).to_dict(), p.model_sha256)
     with pytest.raises(OverBudget, match="rpi-zero-2w"):
         JobWorker(*args, budget=load_builtin("rpi-zero-2w"))
     assert JobWorker(*args, budget=load_builtin("rpi4-8gb")).numel == 2_569_034

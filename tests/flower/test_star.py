@@ -20,6 +20,7 @@ from fedring.flower.node import OutOfSync, apply_downlink, enrol, train_round
 from fedring.flower.server_app import job_from_run_config
 from fedring.flower.star import GlobalModel, combine
 from fedring.sim.runner import plan
+from fedring.training.sharding import ShardError
 from tests.flower.deployment import session_members
 
 SPEC = JobSpec(
@@ -45,34 +46,38 @@ def test_rules_on_hand_written_updates() -> None:
     )
 
 
-def test_enrol_refuses_another_start_or_partition() -> None:
+def test_enrol_refuses_another_start_partition_or_shard_table() -> None:
     p = plan(SPEC)
+    table = p.manifest.sha256()
     with pytest.raises(ValueError, match="initial parameters received hash"):
-        enrol(SPEC, 0, p.manifest, "0" * 64, p.initial)
+        enrol(SPEC, 0, table, "0" * 64, p.initial)
     with pytest.raises(ValueError, match="'partition-id'=2"):
-        enrol(SPEC, 2, p.manifest, p.model_sha256, p.initial)
+        enrol(SPEC, 2, table, p.model_sha256, p.initial)
+    with pytest.raises(ShardError, match=r"its shard table hashes to .* the dataset or its"):
+        enrol(SPEC, 0, "0" * 64, p.model_sha256, p.initial)
 
 
 def test_enrol_starts_from_the_sent_parameters_not_its_own_build() -> None:
     """SEEDS A: the start is sent (an ARM node's own He-normal init differs from x86's)."""
     p = plan(SPEC)
+    table = p.manifest.sha256()
     sent = initial_params(initial_bytes(p.initial))
-    assert torch.equal(enrol(SPEC, 0, p.manifest, p.model_sha256, sent).params, p.initial)
+    assert torch.equal(enrol(SPEC, 0, table, p.model_sha256, sent).params, p.initial)
     corrupted = sent.clone()
     corrupted[7] += 1e-7  # one parameter off by what two architectures' init differ by
     with pytest.raises(ValueError, match="initial parameters received hash"):
-        enrol(SPEC, 0, p.manifest, p.model_sha256, corrupted)
+        enrol(SPEC, 0, table, p.model_sha256, corrupted)
     with pytest.raises(ValueError, match="carries no initial parameters"):
-        enrol(SPEC, 0, p.manifest, p.model_sha256)
+        enrol(SPEC, 0, table, p.model_sha256)
     derived = SPEC.replace(init="derived")  # opts back into re-deriving it from the seed
-    assert torch.equal(enrol(derived, 0, p.manifest, p.model_sha256).params, p.initial)
+    assert torch.equal(enrol(derived, 0, table, p.model_sha256).params, p.initial)
     with pytest.raises(ValueError, match="3 bytes"):
         initial_params(b"abc")
 
 
 def test_residual_carries_over_rounds_and_the_model_moves_only_by_the_downlink() -> None:
     p = plan(SPEC)
-    state = enrol(SPEC, 1, p.manifest, p.model_sha256, p.initial)
+    state = enrol(SPEC, 1, p.manifest.sha256(), p.model_sha256, p.initial)
     start = state.params.clone()
     state, first = train_round(SPEC, state, lr=0.05)
     assert torch.equal(state.params, start)  # local steps never leak into the held model
@@ -88,7 +93,7 @@ def test_downlink_is_checked_by_sha256() -> None:
     p = plan(SPEC)
     job = FlowerJob(SPEC)
     model = GlobalModel(job, p)
-    state = enrol(SPEC, 0, p.manifest, p.model_sha256, p.initial)
+    state = enrol(SPEC, 0, p.manifest.sha256(), p.model_sha256, p.initial)
     state, res = train_round(SPEC, state, lr=0.05)
     down = model.step(0, {0: res.payload})
     apply_downlink(state, down, None, model.sha256)  # the node now holds the ServerApp's bits

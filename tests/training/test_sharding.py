@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from fedring.training.datasets import Dataset, load_dataset
 from fedring.training.sharding import (
+    ShardEntry,
     ShardError,
     ShardManifest,
     build_manifest,
@@ -167,6 +169,48 @@ def test_verify_refuses_swapped_shard_and_bad_rank(planned: Planned) -> None:
             verify_shard(manifest, rank, x, y)
     with pytest.raises(ShardError, match="shard 1: 39 samples / 39 labels != manifest size 40"):
         verify_shard(manifest, 1, x[:-1], y[:-1])
+
+
+def test_an_entry_is_one_row_the_same_size_at_any_n_and_checks_like_the_table() -> None:
+    """Enrolment stays O(1) per agent: an agent is sent its own row and the table's hash."""
+    dataset = load_dataset("synthetic:400:4:3", seed=0)
+    sizes = []
+    for n in (4, 40, 100):
+        shards = make_shards(dataset.y_train.numpy(), n, "iid", seed=1)
+        manifest = build_manifest(dataset, shards, "iid", seed=1)
+        entry = manifest.entry(n - 1)
+        sizes.append(len(json.dumps(entry.to_dict())))
+        assert ShardEntry.from_dict(json.loads(json.dumps(entry.to_dict()))) == entry
+        assert entry.table == manifest.sha256() and entry.digest == manifest.digests[n - 1]
+        x, y = shard_data(dataset, shards[n - 1])
+        verify_shard(entry, n - 1, x, y)
+        with pytest.raises(ShardError, match=f"shard {n - 2}: the entry sent is shard {n - 1}'s"):
+            verify_shard(entry, n - 2, x, y)
+        with pytest.raises(ShardError, match=f"shard {n - 1}: .* != manifest size"):
+            verify_shard(entry, n - 1, x[:-1], y[:-1])
+    assert max(sizes) - min(sizes) <= 4  # the digits of n and rank, nothing per agent
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [({"rank": 9}, "rank 9 out of range 0..3"), ({"digest": "x"}, "entry.digest='x'"),
+     ({"size": "3"}, "entry.size: expected int"), ({"table": None}, "entry.table: expected str")],
+)  # fmt: skip
+def test_a_bad_entry_names_its_field(
+    planned: Planned, change: dict[str, object], fragment: str
+) -> None:
+    good = planned[2].entry(0).to_dict()
+    with pytest.raises(ShardError, match=re.escape(fragment)):
+        ShardEntry.from_dict({**good, **change})
+    with pytest.raises(ShardError, match="missing field 'table'"):
+        ShardEntry.from_dict({k: v for k, v in good.items() if k != "table"})
+
+
+def test_the_table_hash_names_its_content(planned: Planned) -> None:
+    manifest = planned[2]
+    assert manifest.sha256() == ShardManifest.from_dict(manifest.to_dict()).sha256()
+    other = ShardManifest.from_dict({**manifest.to_dict(), "seed": 2})
+    assert other.sha256() != manifest.sha256()
 
 
 def test_shard_data_rejects_bad_index(planned: Planned) -> None:

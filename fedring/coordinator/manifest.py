@@ -1,0 +1,32 @@
+"""What the coordinator sends each member at the start of a segment: its manifest.
+
+A manifest is the same size whatever the number of agents, apart from the ring's
+member list: the agent's own row of the shard table (`ShardEntry`, which names the
+whole table by its sha256) instead of the table, the job spec, the key, and where
+the segment starts. The full table stays in the coordinator's checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedring.coordinator.checkpoint import Checkpoint
+from fedring.training.sharding import ShardManifest
+
+
+def segment_docs(
+    ck: Checkpoint, members: list[str], epoch: int, start: int, frame_bytes: int
+) -> dict[str, dict[str, Any]]:
+    """Each member's manifest for the segment of `members` from round `start`."""
+    table = ShardManifest.from_dict(ck.shard_manifest)
+    return {
+        agent: {
+            "job": ck.job, "epoch": epoch, "key": ck.key.hex(), "members": members,
+            "head": members[0], "shard": ck.shards[agent], "spec": ck.spec,
+            "shard_entry": table.entry(ck.shards[agent]).to_dict(),
+            "model_sha256": ck.model_sha256, "start_round": start,
+            "params_sha256": ck.params_sha256, "max_frame_bytes": frame_bytes,
+            "task": ck.task or None,
+        }
+        for agent in members
+    }  # fmt: skip
