@@ -22,6 +22,7 @@ from fedring.engine.loop import LoopSettings, Member
 from fedring.engine.lr import LinearScaling
 from fedring.engine.optimizer import DistributedOptimizer, SyncSettings
 from fedring.engine.overlap import Yielder
+from fedring.engine.participation import per_round
 from fedring.engine.plan import Plan
 from fedring.engine.plan import plan as plan_task
 from fedring.engine.reducer import Collective, Reducer, ReducerSettings
@@ -133,11 +134,16 @@ def loop_settings(spec: JobSpec) -> LoopSettings:
     )  # fmt: skip
 
 
+def trained_per_round(spec: JobSpec) -> int:
+    """Agents whose updates a round averages: all, or the sample (the rate scales by it)."""
+    return per_round(spec.agents, spec.sample)
+
+
 def lr_schedule(spec: JobSpec) -> LrSchedule:
     """The job's learning rate per round (for runners that step by hand)."""
     agg = Aggregation.parse(spec.aggregation)
     return LrSchedule(
-        base_lr=spec.lr, scaling=spec.lr_scaling, n_agents=spec.agents,
+        base_lr=spec.lr, scaling=spec.lr_scaling, n_agents=trained_per_round(spec),
         batch_size=spec.batch_size, ref_batch=spec.ref_batch, warmup_steps=spec.warmup_steps,
         # Goyal et al.'s rule is for averaged gradients of one large batch: sync mode.
         averaged=agg.averaged and spec.sync == "sync",
@@ -148,7 +154,8 @@ def scaling(spec: JobSpec, inner: torch.optim.Optimizer) -> LinearScaling:
     """Linear scaling with warm-up, applied only where updates are averaged (sync)."""
     averaged = Aggregation.parse(spec.aggregation).averaged and spec.sync == "sync"
     return LinearScaling(
-        inner, world=spec.agents, batch_size=spec.batch_size, ref_batch=spec.ref_batch,
+        inner, world=trained_per_round(spec), batch_size=spec.batch_size,
+        ref_batch=spec.ref_batch,
         warmup_steps=spec.warmup_steps, scaling=spec.lr_scaling, averaged=averaged,
     )  # fmt: skip
 

@@ -62,6 +62,14 @@ def simulate_cmd(
     aggregation: str | None = typer.Option(
         None, help="mean | weighted | vote | median | trimmed:B. [mean]"
     ),
+    sample: float | None = typer.Option(
+        None, help="Clients trained per round (star): a fraction in (0, 1], or a number "
+        ">= 2; seeded, the same every run. [1.0: all]",
+    ),
+    sit_out: str | None = typer.Option(
+        None, help="Error-feedback residual of a client back from sitting out: keep | reset "
+        "| decay:G (x G per round missed). [keep]",
+    ),
     rounds: int | None = typer.Option(None, help="Communication rounds. [20]"),
     batch_size: int | None = typer.Option(None, help="Per-client batch size. [32]"),
     lr: float | None = typer.Option(None, help="Learning rate of the local steps. [0.05]"),

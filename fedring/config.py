@@ -59,6 +59,13 @@ class JobSpec:
     async_wait: int = 1  # async soft sync: apply after this many updates (1 = plain async)
     staleness_power: float = 0.5  # async weight 1 / (1 + staleness) ** power
     slow: str = ""  # agent speed factors, e.g. "3:0" makes agent 0 three times slower
+    # Agents per round (FedAvg-style client sampling; a star): a fraction in (0, 1] of
+    # them, or a whole number >= 2 of them; 1.0 = every agent every round. Seeded by
+    # `seed` and the round, so every runner samples the same agents.
+    sample: float = 1.0
+    # What a sampled agent does with the error-feedback residual it kept while it sat
+    # out: keep | reset | decay:G (x G per round missed).
+    sit_out: str = "keep"
     correction: float = 0.1  # adaptive: pull toward the global model during local steps
     rounds: int = 600  # communication rounds
     batch_size: int = 32  # per agent
@@ -129,6 +136,7 @@ class JobSpec:
         _check_int(self, "checkpoint_every", 1, 10**6)
         _check_int(self, "bucket_kb", 0, 10**6)
         _check_int(self, "update_delay", 0, 1)
+        _check_sample(self)
         if self.async_wait > self.agents:
             raise SpecError(f"async_wait={self.async_wait} exceeds agents={self.agents}")
         try:
@@ -242,3 +250,31 @@ def _check_choice(spec: JobSpec, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(spec, name)
     if value not in choices:
         raise SpecError(f"field {name!r}={value!r} must be one of {', '.join(choices)}")
+
+
+def _check_sample(spec: JobSpec) -> None:
+    """`sample`: a fraction in (0, 1] or a whole number of agents; only a star samples."""
+    from fedring.engine.participation import SitOut, per_round
+
+    value = spec.sample
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SpecError(f"field 'sample'={value!r} must be a number")
+    if not (0 < value <= 1 or (value >= 2 and float(value).is_integer())):
+        raise SpecError(
+            f"field 'sample'={value!r} must be a fraction in (0, 1] of the agents or a whole "
+            "number >= 2 of them"
+        )
+    try:
+        SitOut.parse(spec.sit_out)
+    except ValueError as exc:
+        raise SpecError(f"field 'sit_out': {exc}") from None
+    if per_round(spec.agents, value) == spec.agents:
+        return
+    kind = Aggregation.parse(spec.aggregation).kind
+    if spec.topology != "star" or spec.sync not in ("sync", "local") or kind in ("vote", "hybrid"):
+        raise SpecError(
+            f"field 'sample'={value!r} trains a sample of the agents each round, which needs "
+            "a centre that sends every agent the result: topology='star', sync 'sync' or "
+            "'local' and an aggregation other than vote or hybrid, not "
+            f"topology={spec.topology!r}, sync={spec.sync!r}, aggregation={spec.aggregation!r}"
+        )

@@ -104,7 +104,7 @@ def train(msg: Message, context: Context) -> Message:
     refused = _downlink(spec, state, cfg)
     if refused is not None:
         return Message(RecordDict({"fedring": refused}), reply_to=msg)
-    state, result = train_round(spec, state, float(cfg["lr"]))  # type: ignore[arg-type]
+    state, result = train_round(spec, state, float(cfg["lr"]), r=r)  # type: ignore[arg-type]
     _store(context, state)
     up = carrier.pack(result.payload, src=me, dst=SERVER, round=r, phase="up")
     # One record: every record and key is a content-addressed object on the wire.
@@ -172,7 +172,7 @@ def _store(context: Context, s: NodeState) -> None:
         arrays.update(personal=s.personal, own=s.own)
     context.state[_ARRAYS] = ArrayRecord({k: Array(v.numpy()) for k, v in arrays.items()})
     context.state[_META] = ConfigRecord(
-        {"rank": s.rank, "pos": s.pos, "samples_seen": s.samples_seen}
+        {"rank": s.rank, "pos": s.pos, "samples_seen": s.samples_seen, "last_round": s.last_round}
     )
 
 
@@ -190,4 +190,5 @@ def _load(context: Context) -> NodeState:
         int(m["rank"]), tensor("params"), tensor("residual"), tensor("velocity"),  # type: ignore[arg-type]
         tensor("rng"), tensor("order"), int(m["pos"]), int(m["samples_seen"]),  # type: ignore[arg-type]
         tensor("personal") if hybrid else None, tensor("own") if hybrid else None,
+        int(m.get("last_round", -1)),  # type: ignore[arg-type]
     )  # fmt: skip

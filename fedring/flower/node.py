@@ -27,6 +27,7 @@ from fedring.compression.payload import Payload
 from fedring.compression.quantize import SignQuantizer
 from fedring.config import JobSpec
 from fedring.engine.local import LocalWork
+from fedring.engine.participation import SitOut
 from fedring.engine.plan import Plan, prepare
 from fedring.engine.reducer import compress_update
 from fedring.engine.sampler import ShardSampler
@@ -53,6 +54,7 @@ class NodeState:
     # and its own move of the last round, mixed in once the global move arrives.
     personal: torch.Tensor | None = None
     own: torch.Tensor | None = None
+    last_round: int = -1  # the last round this node trained (client sampling)
 
 
 @lru_cache(maxsize=4)
@@ -166,11 +168,14 @@ def mix_personal(spec: JobSpec, state: NodeState, global_move: torch.Tensor, r: 
 
 
 def train_round(
-    spec: JobSpec, state: NodeState, lr: float, scale: float = 1.0
+    spec: JobSpec, state: NodeState, lr: float, scale: float = 1.0, r: int | None = None
 ) -> tuple[NodeState, RoundResult]:
-    """One round from the held global model (`hybrid`: from this node's own model);
-    returns the new state and the update (times `scale`: the relayed ring sums, so each
-    node sends its weighted share)."""
+    """One round (round `r`, when known) from the held global model (`hybrid`: from
+    this node's own model); returns the new state and the update (times `scale`: the
+    relayed ring sums, so each node sends its weighted share). A node back from
+    sitting out rounds first applies the job's `sit_out` policy to its residual."""
+    if r is not None:
+        SitOut.parse(spec.sit_out).apply(state.residual, r - state.last_round - 1)
     work = _restore(spec, state)
     if state.personal is not None:
         work.set_params(state.personal)
@@ -198,6 +203,7 @@ def train_round(
         payload, error = compress_update(vec, _compressor(spec), ef)
     residual = ef.residual if ef is not None else state.residual
     new = _save(work, state.rank, residual, state.velocity)
+    new.last_round = state.last_round if r is None else r
     if state.personal is not None:  # the held model stays the global one
         new.params, new.personal = state.params, anchor
         own = vec * -lr if spec.sync == "sync" else vec

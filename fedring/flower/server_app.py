@@ -27,6 +27,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedring.build import plan
 from fedring.compression.payload import Payload
 from fedring.config import JobSpec
+from fedring.engine.participation import sampled
 from fedring.engine.plan import Plan
 from fedring.flower import carrier
 from fedring.flower.client_app import SERVER, node_name
@@ -143,7 +144,10 @@ def run_job(grid: Grid, job: FlowerJob) -> Summary:
         **metered.totals(),
         "enrol_uplink_bytes_total": enrol_bytes["uplink_bytes_total"],
         "enrol_downlink_bytes_total": enrol_bytes["downlink_bytes_total"],
-        "dense_equivalent_uplink_bytes_per_client": float(model.numel * 4 * len(out.rows)),
+        # dense fp32 updates from every node a round trained (the sample, when sampling)
+        "dense_equivalent_uplink_bytes_per_client": float(
+            model.numel * 4 * sum(r.get("replies", spec.agents) for r in out.rows) / spec.agents
+        ),
         "params": model.numel,
         "wall_seconds": time.perf_counter() - start,
         "model_sha256_final": sha256,
@@ -174,8 +178,10 @@ def star_rounds(
     delta: Payload | None = None
     for r in range(spec.rounds):
         alive = set(grid.get_node_ids())
+        chosen = set(sampled(spec.seed, r, spec.agents, spec.sample))  # all, unless sampling
+        # a node that sat out gets the whole model (it missed the deltas)
         msgs = [train_message(n, ranks[n], r, model, delta, n in in_sync)
-                for n in sorted(ranks) if n in alive]  # fmt: skip
+                for n in sorted(ranks) if n in alive and ranks[n] in chosen]  # fmt: skip
         replies = list(grid.send_and_receive(msgs, timeout=job.round_timeout_s))
         updates, losses = _read_replies(replies, ranks, r, model.numel, out.failures)
         replied = {m.metadata.src_node_id for m in replies}
@@ -189,7 +195,10 @@ def star_rounds(
             out.status = f"failed: round {r} got no update from any node"
             break
         delta = model.step(r, updates)
-        row = {"round": r + 1, "replies": len(updates), "loss": sum(losses) / len(losses)}
+        row: dict[str, Any] = {"round": r + 1, "replies": len(updates),
+                               "loss": sum(losses) / len(losses)}  # fmt: skip
+        if len(chosen) < spec.agents:
+            row["sampled"] = sorted(chosen)
         if (r + 1) % spec.eval_every == 0 or r + 1 == spec.rounds:
             test_loss, acc = model.evaluate()
             out.evals.append({"round": r + 1, "test_loss": test_loss, "accuracy": acc})
