@@ -108,7 +108,7 @@ def speeds(spec: JobSpec) -> list[float]:
 def centre_settings(spec: JobSpec, start_round: int = 0) -> CentreSettings:
     return CentreSettings(
         aggregation=spec.aggregation, rounds=spec.rounds, start_round=start_round,
-        timeout_s=spec.timeout_s,
+        timeout_s=spec.timeout_s, sample=spec.sample, seed=spec.seed,
     )  # fmt: skip
 
 
@@ -123,6 +123,9 @@ def sync_settings(spec: JobSpec) -> SyncSettings:
         update_delay=spec.update_delay,
         bucket_kb=spec.bucket_kb,
         star=spec.topology == "star",
+        sample=spec.sample,
+        seed=spec.seed,
+        sit_out=spec.sit_out,
     )
 
 

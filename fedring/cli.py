@@ -192,6 +192,13 @@ def simulate_cmd(
     aggregation: str | None = typer.Option(
         None, help="mean | weighted | vote | hybrid:L[-L2] | median | trimmed:B."
     ),
+    sample: float | None = typer.Option(
+        None, help="star: agents trained per round, a fraction in (0, 1] or a number >= 2 "
+        "(seeded). [1.0: all]",
+    ),
+    sit_out: str | None = typer.Option(
+        None, help="Residual of an agent back from sitting out: keep | reset | decay:G. [keep]"
+    ),
     async_wait: int | None = typer.Option(None, help="async: apply after this many updates. [1]"),
     slow: str | None = typer.Option(
         None, help="async: speed factors, e.g. 3:0 (agent 0 is 3x slower)."

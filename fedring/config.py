@@ -271,10 +271,13 @@ def _check_sample(spec: JobSpec) -> None:
     if per_round(spec.agents, value) == spec.agents:
         return
     kind = Aggregation.parse(spec.aggregation).kind
-    if spec.topology != "star" or spec.sync not in ("sync", "local") or kind in ("vote", "hybrid"):
+    if spec.topology != "star" or spec.sync not in ("sync", "local") or kind not in (
+        "mean", "median", "trimmed"
+    ):  # fmt: skip
         raise SpecError(
             f"field 'sample'={value!r} trains a sample of the agents each round, which needs "
             "a centre that sends every agent the result: topology='star', sync 'sync' or "
-            "'local' and an aggregation other than vote or hybrid, not "
+            "'local' and aggregation mean, median or trimmed:B (the sample's updates count "
+            "alike), not "
             f"topology={spec.topology!r}, sync={spec.sync!r}, aggregation={spec.aggregation!r}"
         )

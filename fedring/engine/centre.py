@@ -4,6 +4,8 @@ With ``topology = "star"`` a member's `Reducer.star` sends its compressed update
 (error feedback and group-top-k as on the ring) to the centre and waits for the
 reply; the centre here collects one update per member for the round, combines
 them, and sends every member the same result, so the members stay identical.
+With client sampling (`sample`) only the round's sample sends; every member still
+gets the result, so one that sat out holds the same model.
 
 - ``mean``, ``weighted`` and ``hybrid``: members send ``weight * update`` (their
   manifest weight, 1/N for the mean), the centre sums;
@@ -43,6 +45,7 @@ from fedring.aggregation.rules import Aggregation, median, trimmed_mean
 from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.compression.payload import Payload, PayloadLimits
 from fedring.compression.quantize import DenseCodec
+from fedring.engine.participation import sampled
 from fedring.transport.base import Deadline
 
 if TYPE_CHECKING:  # the engine's reducer imports this module: no cycle at run time
@@ -66,6 +69,8 @@ class CentreSettings:
     start_round: int = 0
     timeout_s: float = 60.0  # wait for one round's updates
     down_dtype: Literal["fp32", "fp16", "bf16"] = "fp16"
+    sample: float = 1.0  # client sampling: members per round (`participation.sampled`)
+    seed: int = 0  # with the round, picks the sample
 
 
 def combine(updates: torch.Tensor, rule: Aggregation) -> torch.Tensor:
@@ -94,11 +99,13 @@ def serve(
     served = 0
     for r in range(settings.start_round, settings.rounds):
         deadline = Deadline.after(settings.timeout_s)
+        chosen = sampled(settings.seed, r, len(members), settings.sample)
         try:
             ups = [
-                channel.recv(m, round=r, step=0, phase="up", deadline=deadline, limits=limits)
-                for m in members
-            ]
+                channel.recv(members[i], round=r, step=0, phase="up", deadline=deadline,
+                             limits=limits)
+                for i in chosen
+            ]  # fmt: skip
         except Exception:
             if served == 0:
                 raise

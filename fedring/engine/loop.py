@@ -125,7 +125,11 @@ def _round(member: Member, r: int) -> dict[str, Any]:
     lr = member.scaling.apply(r)
     interval = opt.local_steps
     start = time.perf_counter()
-    if opt.settings.mode == "sync":
+    timing: dict[str, Any]
+    if not opt.takes_part(r):  # client sampling: the centre's result, no training
+        opt.sit_out()
+        loss, timing = math.nan, {"sat_out": True}
+    elif opt.settings.mode == "sync":
         loss, compute = train_step(member)
         timing = {"compute_s": compute, "comm_s": opt.times.comm_s}
         timing["step_s"] = time.perf_counter() - start

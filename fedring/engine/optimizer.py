@@ -61,6 +61,7 @@ from torch import nn
 
 from fedring.aggregation.rules import Aggregation, hybrid
 from fedring.engine.overlap import BucketOverlap, CommThread, Yielder
+from fedring.engine.participation import SitOut, per_round, sampled
 from fedring.engine.reducer import Reducer
 from fedring.training.models import flat_grads, flat_params, set_flat_grads, set_flat_params
 from fedring.transport.base import Deadline
@@ -81,6 +82,9 @@ class SyncSettings:
     update_delay: int = 0  # sync: apply each agreed gradient one round late (0 or 1)
     bucket_kb: int = 0  # sync: all-reduce buckets of this many KB during backward; 0 = off
     star: bool = False  # every agreement but the sign vote goes through the group's centre
+    sample: float = 1.0  # star: members trained per round (`participation.sampled`)
+    seed: int = 0  # with the round, picks the sample
+    sit_out: str = "keep"  # the residual of a member back from sitting out (`SitOut`)
 
     @property
     def rule(self) -> Aggregation:
@@ -135,7 +139,13 @@ class DistributedOptimizer:
         self.times = StepTimes()
         self.grad_norm = 0.0  # of the last local gradient, before any agreement
         self.delayed = _Delayed()
+        self.last_trained = -1  # client sampling: the last round this member took part in
         s = self.settings
+        if s.sample != 1.0 and (not s.star or self.rule.kind in ("vote", "hybrid", "weighted")):
+            raise ValueError(
+                f"client sampling (sample={s.sample}) needs a star and aggregation mean, "
+                f"median or trimmed, not star={s.star}, aggregation={self.rule.kind!r}"
+            )
         if (s.bucket_kb or s.update_delay) and self.rule.kind not in ("mean", "weighted"):
             raise ValueError(f"overlap needs aggregation mean or weighted, not {self.rule.kind}")
         if s.update_delay not in (0, 1) or (s.update_delay and (s.mode != "sync" or s.bucket_kb)):
@@ -161,16 +171,44 @@ class DistributedOptimizer:
 
     # -- agreeing ---------------------------------------------------------------
 
+    def takes_part(self, round: int | None = None) -> bool:
+        """Client sampling: whether this member trains in `round` (always without it)."""
+        s, r = self.settings, self.round if round is None else round
+        if s.sample == 1.0:
+            return True
+        return self.reducer.collective.rank in sampled(s.seed, r, self.reducer.world, s.sample)
+
+    def sit_out(self) -> None:
+        """A round this member is not sampled for: no training, only the centre's
+        result, applied as every trained member applies it."""
+        agreed = self.reducer.star_result(round=self.round)
+        if self.settings.mode == "local":
+            self.anchor = self.anchor + agreed
+            set_flat_params(self.params, self.anchor)
+            self.local_step = 0
+        else:
+            set_flat_grads(self.params, agreed)
+            self.optimizer.step()
+        self.round += 1
+        self._sync_buffers()
+
     def agree(self, vec: torch.Tensor, round: int | None = None) -> torch.Tensor:
         """This member's `vec` combined with the group's by the aggregation rule."""
         r = self.round if round is None else round
         kind = self.rule.kind
         if kind == "vote":
             return self.reducer.vote(vec, round=r)
+        s = self.settings
+        if s.sample != 1.0:  # back after rounds out: the job's policy for the old residual
+            if self.reducer.ef is not None:
+                SitOut.parse(s.sit_out).apply(self.reducer.ef.residual, r - self.last_trained - 1)
+            self.last_trained = r
         if self.rule.needs_star:
             return self.reducer.star(vec, round=r)
-        if self.settings.star:
-            agreed = self.reducer.star(vec, round=r, scale=self.weight)
+        if s.star:
+            sampling = s.sample != 1.0  # the sample's mean
+            scale = 1.0 / per_round(self.reducer.world, s.sample) if sampling else self.weight
+            agreed = self.reducer.star(vec, round=r, scale=scale)
         else:
             agreed = self.reducer.allreduce(vec, scale=self.weight, round=r)
         if kind == "hybrid":

@@ -215,6 +215,16 @@ class Reducer:
         )  # fmt: skip
         return result.decompress()
 
+    def star_result(self, *, round: int) -> torch.Tensor:
+        """A member that sits this round out (client sampling): only the centre's reply."""
+        centre = self.centre or Centre(self.channel)
+        result = centre.channel.recv(
+            centre.name, round=round, step=0, phase="down",
+            deadline=Deadline.after(self.settings.timeout_s),
+            limits=PayloadLimits(max_numel=self.numel),
+        )  # fmt: skip
+        return result.decompress()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The error-feedback memory (empty without it); plain tensors only."""
         return {} if self.ef is None else self.ef.state_dict()

@@ -148,10 +148,15 @@ def _dense_equivalent(spec: JobSpec, numel: int, rounds: int) -> float:
 
 
 def _mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out = dict(rows[0])
-    for key in ("loss", "grad_norm", "compression_error", "residual_norm", "bytes_sent", *TIMES):
+    """The members' mean; with client sampling, the training figures are the sample's."""
+    trained = [r for r in rows if not r.get("sat_out")] or rows
+    out = {k: v for k, v in trained[0].items() if k != "sat_out"}
+    for key in ("loss", "grad_norm", "compression_error", "residual_norm", *TIMES):
         if key in out:
-            out[key] = sum(r[key] for r in rows) / len(rows)
+            out[key] = sum(r[key] for r in trained) / len(trained)
+    out["bytes_sent"] = sum(r["bytes_sent"] for r in rows) / len(rows)
+    if len(trained) < len(rows):
+        out["trained"] = len(trained)
     return out
 
 

@@ -13,6 +13,7 @@ import torch
 from fedring.aggregation.rules import Aggregation
 from fedring.collective.channel import PeerChannel
 from fedring.compression.quantize import DenseCodec
+from fedring.config import JobSpec
 from fedring.engine.centre import (
     STAR,
     AsyncSettings,
@@ -23,6 +24,8 @@ from fedring.engine.centre import (
     serve_async,
 )
 from fedring.engine.group import LOCAL_KEY
+from fedring.engine.participation import sampled
+from fedring.sim.runner import simulate
 from fedring.transport.base import Deadline
 from fedring.transport.inproc import InprocTransport
 
@@ -74,6 +77,38 @@ def test_serve_sends_every_member_the_median_of_the_round() -> None:
     ]
     thread.join(10)
     assert served == [1] and all(torch.equal(r, torch.full((D,), 1.0)) for r in replies)
+
+
+def test_a_sampled_round_takes_the_sample_and_answers_every_member() -> None:
+    """Client sampling: only the round's sample sends; all four get the result."""
+    names = ["a", "b", "c", "d"]
+    _hub, centre, members = _channels(names)
+    settings = CentreSettings("median", rounds=1, sample=2, seed=3)
+    chosen = sampled(3, 0, 4, 2)
+    thread, served = _on_thread(lambda: serve(centre, tuple(names), D, settings))
+    for i in chosen:
+        up = DenseCodec("fp32").compress(torch.full((D,), float(i)))
+        members[names[i]].send(STAR, up, round=0, step=0, phase="up", deadline=Deadline.after(10))
+    replies = [
+        ch.recv(STAR, round=0, step=0, phase="down", deadline=Deadline.after(10)).decompress()
+        for ch in members.values()
+    ]
+    thread.join(10)
+    want = combine(torch.tensor([[float(i)] * D for i in chosen]), Aggregation.parse("median"))
+    assert served == [1] and all(torch.equal(r, want) for r in replies)
+
+
+def test_simulate_samples_the_star_and_the_members_stay_identical() -> None:
+    spec = JobSpec(agents=6, dataset="digits", topology="star", sync="local", local_steps=4,
+                   lr=0.05, rounds=12, eval_every=6, sample=0.5)  # fmt: skip
+    sampled_run, every = simulate(spec), simulate(spec.replace(sample=1.0))
+    assert sampled_run["identical_models"]
+    assert [row["trained"] for row in sampled_run["rows"]] == [3] * 12
+    assert sampled_run["final_accuracy"] > 0.8
+    # each agent sends in about half the rounds
+    ratio = sampled_run["bytes_sent_per_agent"] / every["bytes_sent_per_agent"]
+    assert 0.35 < ratio < 0.65
+    assert simulate(spec)["model_hashes"] == sampled_run["model_hashes"]  # seeded
 
 
 def test_async_centre_weights_stale_deltas_and_ends_every_member() -> None:

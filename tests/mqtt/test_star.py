@@ -75,3 +75,17 @@ def test_star_job_re_forms_without_a_killed_agent(
     assert any("a2" in e["why"] for e in summary["events"]), summary["events"]
     assert summary["rounds"] == 150 and summary["identical_models"]
     assert summary["reformations"] >= 1
+
+
+def test_a_sampled_star_matches_simulate_and_only_the_sample_sends(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    """Client sampling: 2 of the 4 agents train each round (seeded), the coordinator
+    waits for those two and sends all four the result."""
+    job = job_toml(tmp_path, topology="star", rounds=30, sample=2, sit_out="reset")
+    summary = finish(coordinator(broker.url, job, tmp_path / "run"))
+    local = simulate(JobSpec.from_toml(job))
+    assert summary["identical_models"] and summary["centre_rounds"] == 30
+    assert summary["model_hashes"] == local["model_hashes"]
+    every = simulate(JobSpec.from_toml(job).replace(sample=1.0))
+    assert summary["bytes_sent_per_agent"] < 0.6 * every["bytes_sent_per_agent"]
