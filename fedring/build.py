@@ -83,6 +83,16 @@ def needs_centre(spec: JobSpec) -> bool:
     return spec.topology == "star" or rule.needs_star or spec.sync == "async"
 
 
+def degrades(spec: JobSpec) -> bool:
+    """A ring job that may go on asynchronously through the coordinator (`degrade_after`)."""
+    return spec.degrade_after > 0 and not needs_centre(spec)
+
+
+def opens_centre(spec: JobSpec) -> bool:
+    """Over MQTT: the job's agents and coordinator open the star topic's endpoint."""
+    return needs_centre(spec) or degrades(spec)
+
+
 def async_settings(spec: JobSpec, start_version: int = 0) -> AsyncSettings:
     return AsyncSettings(
         rounds=spec.rounds, start_version=start_version, wait=spec.async_wait,

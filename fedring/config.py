@@ -66,6 +66,13 @@ class JobSpec:
     # What a sampled agent does with the error-feedback residual it kept while it sat
     # out: keep | reset | decay:G (x G per round missed).
     sit_out: str = "keep"
+    # Over MQTT (SEEDS A: "retry automatically or degrade to asynchronous updates"): a
+    # ring re-formed `degrade_after` times, each within `degrade_window` rounds of the
+    # one before, goes on asynchronously through the coordinator, and back to the ring
+    # once no agent came or went for `degrade_calm` versions. 0 = never degrade.
+    degrade_after: int = 3
+    degrade_window: int = 50
+    degrade_calm: int = 50
     correction: float = 0.1  # adaptive: pull toward the global model during local steps
     rounds: int = 600  # communication rounds
     batch_size: int = 32  # per agent
@@ -136,6 +143,9 @@ class JobSpec:
         _check_int(self, "checkpoint_every", 1, 10**6)
         _check_int(self, "bucket_kb", 0, 10**6)
         _check_int(self, "update_delay", 0, 1)
+        _check_int(self, "degrade_after", 0, 1000)
+        _check_int(self, "degrade_window", 1, 10**6)
+        _check_int(self, "degrade_calm", 1, 10**6)
         _check_sample(self)
         if self.async_wait > self.agents:
             raise SpecError(f"async_wait={self.async_wait} exceeds agents={self.agents}")

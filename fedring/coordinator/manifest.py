@@ -15,9 +15,11 @@ from fedring.training.sharding import ShardManifest
 
 
 def segment_docs(
-    ck: Checkpoint, members: list[str], epoch: int, start: int, frame_bytes: int
-) -> dict[str, dict[str, Any]]:
-    """Each member's manifest for the segment of `members` from round `start`."""
+    ck: Checkpoint, members: list[str], epoch: int, start: int, frame_bytes: int,
+    mode: str = "ring",
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Each member's manifest for the segment of `members` from round `start`; `mode`
+    "async" sends the deltas through the coordinator (an async job or a degraded ring)."""
     table = ShardManifest.from_dict(ck.shard_manifest)
     return {
         agent: {
@@ -26,7 +28,7 @@ def segment_docs(
             "shard_entry": table.entry(ck.shards[agent]).to_dict(),
             "model_sha256": ck.model_sha256, "start_round": start,
             "params_sha256": ck.params_sha256, "max_frame_bytes": frame_bytes,
-            "task": ck.task or None,
+            "task": ck.task or None, "mode": mode,
         }
         for agent in members
     }  # fmt: skip

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fedring.build import needs_centre, plan
+from fedring.build import degrades, needs_centre, opens_centre, plan
 from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
 from fedring.coordinator import outputs
@@ -102,6 +102,12 @@ class Coordinator:
         self.t0: float | None = None  # training starts: rows carry "wall_s" since then
         self.start = time.perf_counter()
         self.wall_before = 0.0  # seconds earlier coordinator processes ran this job
+        # a ring that broke `degrade_after` times goes on asynchronously (`degrade_window`)
+        self.breaks: list[int] = []  # rounds of the ring's recent re-formations
+        self.degraded = False  # this epoch runs asynchronously through the centre
+        self.degradations = 0
+        self.calm_since = 0  # a degraded job's version at its last membership change
+        self.returning = False  # the degraded epoch is ending: back to the ring
 
     # -- the job ------------------------------------------------------------------
 
@@ -118,7 +124,7 @@ class Coordinator:
             self.wall_before = ck.wall_s
             self.rows = outputs.load_rows(self.opts.out, up_to=ck.round, keep=saved is not None)
             self.codec.key = ck.key
-            if needs_centre(self.spec):
+            if opens_centre(self.spec):
                 self.centre = StarCentre(self.link, ck.job, ck.key, self.counters)
             self._publish_manifest("running")
             members = self._members()
@@ -127,7 +133,12 @@ class Coordinator:
                 if not members:
                     raise CoordinatorError("no agent holding a shard is online")
                 ep = _Epoch(epoch, members, ck.round)
-                if self._run_segment(ep):
+                done = self._run_segment(ep)
+                if done and self.returning:
+                    done = self._back_to_ring(ep)
+                elif not done:
+                    self._note_break(ck.round)
+                if done:
                     return self._finish(ep, self._wall())
                 self.epochs += 1
                 if self.epochs >= self.opts.max_epochs:
@@ -204,12 +215,14 @@ class Coordinator:
 
     def _run_segment(self, ep: _Epoch) -> bool:
         """`_segment`, with a star job's centre serving the epoch's rounds beside it."""
-        if self.centre is None:
+        if self.centre is None or not (needs_centre(self.spec) or self.degraded):
             return self._segment(ep)
         evaluate = self._evaluator() if self.asynchronous else None
-        self.centre.start(self.spec.replace(agents=len(ep.members)), ep.number, ep.members,
-                          ep.start, self._params(), self.fleet.frame_bytes(ep.members),
-                          evaluate)  # fmt: skip
+        spec = self.spec.replace(agents=len(ep.members))
+        if self.degraded:
+            spec = spec.replace(sync="async", async_wait=1)
+        self.centre.start(spec, ep.number, ep.members, ep.start, self._params(),
+                          self.fleet.frame_bytes(ep.members), evaluate)  # fmt: skip
         try:
             return self._segment(ep)
         finally:
@@ -218,7 +231,63 @@ class Coordinator:
 
     @property
     def asynchronous(self) -> bool:
-        return self.spec.sync == "async"
+        """This epoch's deltas go through the centre: an async job, or a degraded ring."""
+        return self.spec.sync == "async" or self.degraded
+
+    # -- degrading to asynchronous updates and back ---------------------------------
+
+    def _note_break(self, at_round: int) -> None:
+        """A ring epoch ended in a re-formation at `at_round`: the `degrade_after`-th
+        within `degrade_window` rounds of the one before moves the job to async.
+        Re-formations at the same round count once (one failure, reported by each
+        agent it stopped)."""
+        spec = self.spec
+        if not degrades(spec) or self.degraded:
+            return
+        if self.breaks and at_round == self.breaks[-1]:
+            return  # the same failure, seen by several agents in turn: one break
+        if self.breaks and at_round - self.breaks[-1] > spec.degrade_window:
+            self.breaks.clear()
+        self.breaks.append(at_round)
+        if len(self.breaks) < spec.degrade_after:
+            return
+        why = (f"the ring broke {len(self.breaks)} times (rounds {self.breaks}), each within "
+               f"{spec.degrade_window} rounds of the last: going on asynchronously through "
+               "the coordinator")  # fmt: skip
+        log.warning(why)
+        self.counters.add("degraded_to_async")
+        self.events.append({"t": time.time(), "epoch": self.epochs, "why": why})
+        self.degraded, self.degradations, self.calm_since = True, self.degradations + 1, at_round
+        self.breaks.clear()
+
+    def _calm(self, version: int) -> None:
+        """A degraded job whose membership stayed put for `degrade_calm` versions
+        ends its asynchronous epoch: every agent gets "end" with its next delta."""
+        state = self.centre.state if self.centre is not None else None
+        if not self.degraded or self.returning or state is None:
+            return
+        if version - self.calm_since >= self.spec.degrade_calm and version < self.spec.rounds:
+            self.returning, state.stop = True, True
+
+    def _back_to_ring(self, ep: _Epoch) -> bool:
+        """The asynchronous epoch ended for calm: checkpoint the centre's model and run
+        the ring from its version. True if the job is finished after all."""
+        assert self.centre is not None and self.centre.state is not None
+        state = self.centre.state
+        self._save(ep, state.model.clone(), state.version)
+        self.degraded = self.returning = False
+        last = self.rows.get(state.version, {})
+        if state.version >= self.spec.rounds or (
+            self.spec.target_accuracy and last.get("accuracy", 0.0) >= self.spec.target_accuracy
+        ):  # fmt: skip
+            self.degraded = True  # it ended asynchronously: summarise it as such
+            return True
+        why = (f"no agent came or went for {self.spec.degrade_calm} versions: back to the "
+               f"ring from round {state.version}")  # fmt: skip
+        log.info(why)
+        self.counters.add("back_to_ring")
+        self.events.append({"t": time.time(), "epoch": ep.number, "why": why})
+        return False
 
     def _plan(self) -> Plan:
         if self.plan is None:
@@ -262,6 +331,7 @@ class Coordinator:
                 self.opts.on_round(rnd - 1, row)
             if params is not None:
                 self._save(ep, params, rnd)
+            self._calm(rnd)
 
     def _segment(self, ep: _Epoch) -> bool:
         """Run the ring of `ep.members` until done (True) or until it must re-form."""
@@ -269,7 +339,8 @@ class Coordinator:
         assert ck is not None
         log.info("epoch %d: ring %s from round %d", ep.number, ep.members, ep.start)
         docs = segment_docs(ck, ep.members, ep.number, ep.start,
-                            self.fleet.frame_bytes(ep.members))  # fmt: skip
+                            self.fleet.frame_bytes(ep.members),
+                            "async" if self.asynchronous else "ring")  # fmt: skip
         for agent, doc in docs.items():
             self._send(agent, "manifest", doc, sign=False)
             if ck.params is not None:
@@ -309,6 +380,9 @@ class Coordinator:
         assert self.ck is not None
         if item.kind == "member" and item.event is not None:
             who, kind = item.src, item.event.kind
+            if self.degraded and who in self.ck.shards and self.centre is not None:
+                state = self.centre.state  # the fleet moved: not calm yet
+                self.calm_since = state.version if state is not None else self.ck.round
             if who in ep.members and kind in ("lost", "left"):
                 self.counters.add("agent_lost")
                 if self.asynchronous:
@@ -477,7 +551,8 @@ class Coordinator:
             log.error("checkpoint of round %d is not the agents' final model", self.ck.round)
         summary["checkpoint_round"] = self.ck.round
         state = self.centre.state if self.centre is not None else None
-        if state is not None:  # asynchronous: the centre's versions, not an agent's cycles
+        summary["degraded"] = self.degradations
+        if state is not None and self.asynchronous:  # the centre's versions, not agents' cycles
             summary["rounds"] = state.version
             summary["staleness"] = {str(k): v for k, v in sorted(state.staleness.items())}
         if self.opts.export_onnx:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fedring.build import needs_centre
+from fedring.build import opens_centre
 from fedring.collective.channel import CollectiveError, CollectiveTimeout
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
@@ -179,6 +179,7 @@ class AgentDaemon:
                 members=[str(m) for m in doc["members"]], start_round=int(doc["start_round"]),
                 params_sha256=str(doc.get("params_sha256", "")), head=str(doc["head"]),
                 max_frame_bytes=int(doc.get("max_frame_bytes", 0)),
+                asynchronous=doc.get("mode") == "async",
             )  # fmt: skip
             if self.me not in seg.members:
                 raise JobRefused(f"{self.me} is not among the members {seg.members}")
@@ -195,7 +196,7 @@ class AgentDaemon:
                     self.centre.close()
                 self.centre = (
                     self.link.endpoint(topics.star(seg.job), private=True)
-                    if needs_centre(spec) else None
+                    if opens_centre(spec) else None
                 )  # fmt: skip
                 self.link_bytes_at_job = self.link.stats.bytes_sent
                 self.counters_at_job = self.counters.snapshot()  # bye reports this job's
@@ -243,7 +244,7 @@ class AgentDaemon:
         halt = run.halt
         patience = 3 * worker.spec.timeout_s
         every = worker.spec.checkpoint_every
-        head = self.me == seg.head and worker.spec.sync != "async"  # async: the centre's model
+        head = self.me == seg.head and not seg.asynchronous  # async: the centre's model
         gate = (lambda r: run.gate(r, every, patience)) if head else None
         uploaded = [seg.start_round]
 

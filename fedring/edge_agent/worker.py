@@ -85,6 +85,7 @@ class Segment:
     params_sha256: str  # expected state at start_round
     head: str  # uploads the checkpoint every `checkpoint_every` rounds
     max_frame_bytes: int = 0  # the ring's frame size (the smallest member's); 0: the default
+    asynchronous: bool = False  # through the coordinator: an async job, or a degraded ring
 
     @property
     def channel_job(self) -> str:
@@ -225,9 +226,10 @@ class JobWorker:
         """Run rounds from `seg.start_round` to the end; raise `CollectiveError` if cut.
 
         A star job's updates go to the coordinator over `centre` (a private endpoint),
-        an asynchronous job's deltas too (`run_async`)."""
-        if self.spec.sync == "async":
-            assert centre is not None, "an asynchronous job runs through the coordinator"
+        an asynchronous segment's deltas too (`run_async`: an async job, or a ring
+        the coordinator degraded)."""
+        if seg.asynchronous:
+            assert centre is not None, "an asynchronous segment runs through the coordinator"
             return self.run_async(seg, centre, key, counters, halt)
         spec = self.spec.replace(agents=len(seg.members))
         limits = FrameLimits(max_frame_bytes=seg.max_frame_bytes) if seg.max_frame_bytes else None

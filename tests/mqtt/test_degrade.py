@@ -1,0 +1,58 @@
+"""A ring that keeps breaking goes on asynchronously, and comes back (SEEDS A).
+
+SEEDS A's exception handling: on a communication interruption, retry
+automatically *or degrade to asynchronous updates*. A ring re-formed
+`degrade_after` times, each within `degrade_window` rounds of the one before,
+goes on through the coordinator as an asynchronous job (the survivors push
+deltas, a lost agent is only dropped), and returns to the ring once no agent has
+come or gone for `degrade_calm` versions. Here agent a3 dies (`kill -9`), comes
+back and dies again: three re-formations; the other three go on asynchronously,
+then on a ring of three.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from fedring.transport.mosquitto import Mosquitto
+from tests.mqtt.conftest import Fleet, checkpoint_round, finish, job_toml, started, wait_for
+
+
+def _log(out: Path) -> str:
+    return (out.parent / f"{out.name}-coordinator.log").read_text(errors="replace")
+
+
+def _moves_on(out: Path, what: str) -> None:
+    """Wait until the ring has checkpointed 10 more rounds (it re-formed and runs)."""
+    at = checkpoint_round(out)
+    wait_for(lambda: checkpoint_round(out) >= at + 10, 90, what)
+
+
+def test_three_broken_rings_go_on_asynchronously_and_back_to_the_ring(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    job = job_toml(tmp_path, rounds=3000, eval_every=10, target_accuracy=0.975,
+                   degrade_after=3, degrade_window=1000, degrade_calm=20)  # fmt: skip
+    out = tmp_path / "run"
+    proc = started(broker.url, job, out, 5)
+    try:
+        fleet.kill("a3", signal.SIGKILL)  # break 1: a3 lost
+        _moves_on(out, "the ring without a3")
+        fleet.start("a3")  # break 2: a3 came back
+        wait_for(lambda: "a3 came back" in _log(out), 90, "a3 back")
+        _moves_on(out, "the ring with a3 again")
+        fleet.kill("a3", signal.SIGKILL)  # break 3: lost again -> asynchronous
+        summary = finish(proc)
+    finally:
+        if fleet.procs["a3"].poll() is not None:
+            fleet.start("a3")
+    whys = [e["why"] for e in summary["events"]]
+    print(f"degrade: {summary['final_accuracy']:.4f} at round {summary['rounds']}, "
+          f"{summary['wall_seconds']:.1f} s; events {whys}")
+    assert summary["degraded"] == 1
+    assert any("going on asynchronously" in w for w in whys), whys
+    assert any("back to the ring" in w for w in whys), whys
+    assert summary["final_accuracy"] >= 0.975 and summary["identical_models"]
+    assert summary["layout"] == "ring of 3"  # finished on the ring, without a3
+    assert checkpoint_round(out) == summary["rounds"]
