@@ -14,8 +14,8 @@ Columns, per agent, from one run:
   (the count the ServerApp's grid meter uses);
 - ``mqtt``: the coordinator's manifest for the agent as encoded in its frames
   (`coordinator.manifest.segment_docs`, `ControlCodec`), and ``mqtt, table`` with the
-  whole table in place of the row. The MQTT manifest also lists the ring's
-  members (their names, in ring order), which grows by a name per agent.
+  whole table in place of the row and every member's name in place of the
+  agent's ring contacts (as it was).
 
     python bench/enrolment.py [--agents 10 50 100] [--init derived|sent] [--json]
 """
@@ -68,9 +68,9 @@ def mqtt_manifest(spec: JobSpec, table: bool) -> int:
     )  # fmt: skip
     agent = members[-1]
     doc = segment_docs(ck, members, 0, 0, 0)[agent]
-    if table:
-        doc = {**doc, "shards": ck.shard_manifest}
-        del doc["shard_entry"]
+    if table:  # before: the whole shard table and every member's name
+        doc = {**doc, "shards": ck.shard_manifest, "members": members}
+        del doc["shard_entry"], doc["peers"]
     codec = ControlCodec("coordinator", ck.key)
     return sum(len(f) for f in codec.encode("manifest", ck.job, agent, doc, sign=False))
 

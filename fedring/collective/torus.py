@@ -68,6 +68,20 @@ def layout_dims(topology: str, world: int) -> tuple[int, ...]:
     return ()
 
 
+def contacts(topology: str, world: int, rank: int) -> list[int]:
+    """The ranks member `rank` exchanges with in the job's layout, itself included:
+    its flat ring's neighbours (the sign vote) and, on a grid, each axis ring's. A
+    member needs only these names, whatever the number of members."""
+    near = {rank, (rank - 1) % world, (rank + 1) % world}
+    stride = 1
+    for size in reversed(layout_dims(topology, world)):
+        coord = (rank // stride) % size
+        base = rank - coord * stride
+        near |= {base + ((coord + d) % size) * stride for d in (-1, 1)}
+        stride *= size
+    return sorted(near)
+
+
 def layout_name(topology: str, world: int) -> str:
     """What the members form, for summaries: ``ring of 8`` or ``torus 2x4x4``."""
     dims = layout_dims(topology, world)

@@ -1,15 +1,18 @@
 """What the coordinator sends each member at the start of a segment: its manifest.
 
-A manifest is the same size whatever the number of agents, apart from the ring's
-member list: the agent's own row of the shard table (`ShardEntry`, which names the
-whole table by its sha256) instead of the table, the job spec, the key, and where
-the segment starts. The full table stays in the coordinator's checkpoint.
+A manifest is the same size whatever the number of agents: the agent's own row of
+the shard table (`ShardEntry`, which names the whole table by its sha256) instead
+of the table, and of the ring only the size, the agent's rank and the names of the
+members it exchanges with (`collective.torus.contacts`: its ring neighbours, on a
+grid each axis's) instead of every member; then the job spec, the key, and where
+the segment starts. The full table and member list stay with the coordinator.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from fedring.collective.torus import contacts
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.training.sharding import ShardManifest
 
@@ -21,14 +24,20 @@ def segment_docs(
     """Each member's manifest for the segment of `members` from round `start`; `mode`
     "async" sends the deltas through the coordinator (an async job or a degraded ring)."""
     table = ShardManifest.from_dict(ck.shard_manifest)
+    topology, world = str(ck.spec.get("topology", "auto")), len(members)
+
+    def peers(rank: int) -> dict[str, str]:
+        return {str(i): members[i] for i in contacts(topology, world, rank)}
+
     return {
         agent: {
-            "job": ck.job, "epoch": epoch, "key": ck.key.hex(), "members": members,
+            "job": ck.job, "epoch": epoch, "key": ck.key.hex(), "world": world,
+            "rank": rank, "peers": peers(rank),
             "head": members[0], "shard": ck.shards[agent], "spec": ck.spec,
             "shard_entry": table.entry(ck.shards[agent]).to_dict(),
             "model_sha256": ck.model_sha256, "start_round": start,
             "params_sha256": ck.params_sha256, "max_frame_bytes": frame_bytes,
             "task": ck.task or None, "mode": mode,
         }
-        for agent in members
+        for rank, agent in enumerate(members)
     }  # fmt: skip

@@ -176,13 +176,14 @@ class AgentDaemon:
             self.codec.key = bytes.fromhex(str(doc["key"]))  # so that a refusal is signed
             seg = Segment(
                 job=topics.check_id("job", str(doc["job"])), epoch=int(doc["epoch"]),
-                members=[str(m) for m in doc["members"]], start_round=int(doc["start_round"]),
+                members=ring_view(doc), start_round=int(doc["start_round"]),
                 params_sha256=str(doc.get("params_sha256", "")), head=str(doc["head"]),
                 max_frame_bytes=int(doc.get("max_frame_bytes", 0)),
                 asynchronous=doc.get("mode") == "async",
             )  # fmt: skip
-            if self.me not in seg.members:
-                raise JobRefused(f"{self.me} is not among the members {seg.members}")
+            if seg.members[int(doc["rank"])] != self.me:
+                raise JobRefused(f"{self.me} is not rank {doc['rank']} of the ring: "
+                                 f"{doc['peers']}")  # fmt: skip
             if self.worker is None or self.worker.job != seg.job:
                 spec = JobSpec.from_mapping(doc["spec"])
                 self.worker = JobWorker(
@@ -294,8 +295,8 @@ class AgentDaemon:
         self.running = run
         self._send(seg.job, "ack", {"epoch": seg.epoch, "start_round": seg.start_round,
                                     "step_s": worker.step_s, "numel": worker.numel})  # fmt: skip
-        log.info("%s: epoch %d, ring %s, from round %d", self.me, seg.epoch,
-                 seg.members, seg.start_round)  # fmt: skip
+        log.info("%s: epoch %d, rank %d of %d, from round %d", self.me, seg.epoch,
+                 seg.members.index(self.me), len(seg.members), seg.start_round)  # fmt: skip
         run.thread.start()
 
     def _job_counters(self) -> dict[str, int]:
@@ -339,3 +340,17 @@ def _step_time(n: int = 3) -> float:
     for _ in range(n):
         (a @ a).sum()
     return (time.perf_counter() - start) / n
+
+
+def ring_view(doc: dict[str, Any]) -> list[str]:
+    """The ring as this agent sees it from its manifest: `world` positions, the names
+    of the members it exchanges with, a placeholder (``~i``, no agent's id) elsewhere."""
+    world, peers = int(doc["world"]), doc["peers"]
+    if not isinstance(peers, dict) or not 1 <= world <= 1024:
+        raise ValueError(f"manifest: 'world'={world!r}, 'peers' must be a table")
+    view = [f"~{i}" for i in range(world)]
+    for pos, name in peers.items():
+        if not 0 <= int(pos) < world:
+            raise ValueError(f"manifest: peer position {pos!r} outside 0..{world - 1}")
+        view[int(pos)] = topics.check_id("peer", str(name))
+    return view

@@ -80,7 +80,7 @@ class Segment:
 
     job: str
     epoch: int
-    members: list[str]
+    members: list[str]  # in ring order; only the names it exchanges with, ~i elsewhere
     start_round: int
     params_sha256: str  # expected state at start_round
     head: str  # uploads the checkpoint every `checkpoint_every` rounds
