@@ -46,6 +46,7 @@ from fedring.coordinator.membership import Fleet
 from fedring.counters import Counters
 from fedring.engine.plan import Plan
 from fedring.training.models import flat_sha256, set_flat_params
+from fedring.training.sharding import ShardManifest
 from fedring.transport import topics
 from fedring.transport.base import Deadline, TransportError
 from fedring.transport.mqtt import BrokerConfig, Control, MqttLink
@@ -574,8 +575,10 @@ class Coordinator:
 
     def _publish_manifest(self, state: str) -> None:
         assert self.ck is not None and self.link is not None
+        table = ShardManifest.from_dict(self.ck.shard_manifest).sha256()
         doc = {"job": self.ck.job, "state": state, "round": self.ck.round,
-               "members": sorted(self.ck.shards), "model_sha256": self.ck.model_sha256}  # fmt: skip
+               "members": sorted(self.ck.shards), "model_sha256": self.ck.model_sha256,
+               "shard_table_sha256": table}  # fmt: skip
         [frame] = self.codec.encode("manifest", self.ck.job, "*", doc)
         topic, running = topics.manifest(self.ck.job), state == "running"
         self.link.publish(topic, frame, Deadline.after(SEND_S), retain=running)
