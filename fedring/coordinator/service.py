@@ -35,12 +35,13 @@ from typing import Any
 
 import torch
 
-from fedring.build import degrades, needs_centre, opens_centre, plan
+from fedring.build import needs_centre, opens_centre, plan
 from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
 from fedring.coordinator import outputs
 from fedring.coordinator.centre import StarCentre
 from fedring.coordinator.checkpoint import Checkpoint
+from fedring.coordinator.degrade import Degrade
 from fedring.coordinator.manifest import segment_docs
 from fedring.coordinator.membership import Fleet
 from fedring.counters import Counters
@@ -103,12 +104,7 @@ class Coordinator:
         self.t0: float | None = None  # training starts: rows carry "wall_s" since then
         self.start = time.perf_counter()
         self.wall_before = 0.0  # seconds earlier coordinator processes ran this job
-        # a ring that broke `degrade_after` times goes on asynchronously (`degrade_window`)
-        self.breaks: list[int] = []  # rounds of the ring's recent re-formations
-        self.degraded = False  # this epoch runs asynchronously through the centre
-        self.degradations = 0
-        self.calm_since = 0  # a degraded job's version at its last membership change
-        self.returning = False  # the degraded epoch is ending: back to the ring
+        self.degrade = Degrade(spec)  # a ring that keeps breaking goes asynchronous
 
     # -- the job ------------------------------------------------------------------
 
@@ -135,10 +131,12 @@ class Coordinator:
                     raise CoordinatorError("no agent holding a shard is online")
                 ep = _Epoch(epoch, members, ck.round)
                 done = self._run_segment(ep)
-                if done and self.returning:
+                if done and self.degrade.returning:
                     done = self._back_to_ring(ep)
-                elif not done:
-                    self._note_break(ck.round)
+                elif not done and (why := self.degrade.broke(ck.round)):
+                    log.warning(why)
+                    self.counters.add("degraded_to_async")
+                    self.events.append({"t": time.time(), "epoch": ep.number, "why": why})
                 if done:
                     return self._finish(ep, self._wall())
                 self.epochs += 1
@@ -216,11 +214,11 @@ class Coordinator:
 
     def _run_segment(self, ep: _Epoch) -> bool:
         """`_segment`, with a star job's centre serving the epoch's rounds beside it."""
-        if self.centre is None or not (needs_centre(self.spec) or self.degraded):
+        if self.centre is None or not (needs_centre(self.spec) or self.degrade.active):
             return self._segment(ep)
         evaluate = self._evaluator() if self.asynchronous else None
         spec = self.spec.replace(agents=len(ep.members))
-        if self.degraded:
+        if self.degrade.active:
             spec = spec.replace(sync="async", async_wait=1)
         self.centre.start(spec, ep.number, ep.members, ep.start, self._params(),
                           self.fleet.frame_bytes(ep.members), evaluate)  # fmt: skip
@@ -233,58 +231,20 @@ class Coordinator:
     @property
     def asynchronous(self) -> bool:
         """This epoch's deltas go through the centre: an async job, or a degraded ring."""
-        return self.spec.sync == "async" or self.degraded
-
-    # -- degrading to asynchronous updates and back ---------------------------------
-
-    def _note_break(self, at_round: int) -> None:
-        """A ring epoch ended in a re-formation at `at_round`: the `degrade_after`-th
-        within `degrade_window` rounds of the one before moves the job to async.
-        Re-formations at the same round count once (one failure, reported by each
-        agent it stopped)."""
-        spec = self.spec
-        if not degrades(spec) or self.degraded:
-            return
-        if self.breaks and at_round == self.breaks[-1]:
-            return  # the same failure, seen by several agents in turn: one break
-        if self.breaks and at_round - self.breaks[-1] > spec.degrade_window:
-            self.breaks.clear()
-        self.breaks.append(at_round)
-        if len(self.breaks) < spec.degrade_after:
-            return
-        why = (f"the ring broke {len(self.breaks)} times (rounds {self.breaks}), each within "
-               f"{spec.degrade_window} rounds of the last: going on asynchronously through "
-               "the coordinator")  # fmt: skip
-        log.warning(why)
-        self.counters.add("degraded_to_async")
-        self.events.append({"t": time.time(), "epoch": self.epochs, "why": why})
-        self.degraded, self.degradations, self.calm_since = True, self.degradations + 1, at_round
-        self.breaks.clear()
-
-    def _calm(self, version: int) -> None:
-        """A degraded job whose membership stayed put for `degrade_calm` versions
-        ends its asynchronous epoch: every agent gets "end" with its next delta."""
-        state = self.centre.state if self.centre is not None else None
-        if not self.degraded or self.returning or state is None:
-            return
-        if version - self.calm_since >= self.spec.degrade_calm and version < self.spec.rounds:
-            self.returning, state.stop = True, True
+        return self.spec.sync == "async" or self.degrade.active
 
     def _back_to_ring(self, ep: _Epoch) -> bool:
-        """The asynchronous epoch ended for calm: checkpoint the centre's model and run
-        the ring from its version. True if the job is finished after all."""
+        """A degraded epoch ended for calm: checkpoint the centre's model and run the
+        ring from its version. True if the job is finished after all."""
         assert self.centre is not None and self.centre.state is not None
         state = self.centre.state
         self._save(ep, state.model.clone(), state.version)
-        self.degraded = self.returning = False
-        last = self.rows.get(state.version, {})
-        if state.version >= self.spec.rounds or (
-            self.spec.target_accuracy and last.get("accuracy", 0.0) >= self.spec.target_accuracy
-        ):  # fmt: skip
-            self.degraded = True  # it ended asynchronously: summarise it as such
+        accuracy = self.rows.get(state.version, {}).get("accuracy", 0.0)
+        target = self.spec.target_accuracy
+        if state.version >= self.spec.rounds or (target and accuracy >= target):
+            self.degrade.returning = False  # it ended asynchronously: summarised as such
             return True
-        why = (f"no agent came or went for {self.spec.degrade_calm} versions: back to the "
-               f"ring from round {state.version}")  # fmt: skip
+        why = self.degrade.back(state.version)
         log.info(why)
         self.counters.add("back_to_ring")
         self.events.append({"t": time.time(), "epoch": ep.number, "why": why})
@@ -332,7 +292,8 @@ class Coordinator:
                 self.opts.on_round(rnd - 1, row)
             if params is not None:
                 self._save(ep, params, rnd)
-            self._calm(rnd)
+            if self.degrade.calm(rnd) and self.centre.state is not None:
+                self.centre.state.stop = True  # every agent gets "end" with its next delta
 
     def _segment(self, ep: _Epoch) -> bool:
         """Run the ring of `ep.members` until done (True) or until it must re-form."""
@@ -381,9 +342,8 @@ class Coordinator:
         assert self.ck is not None
         if item.kind == "member" and item.event is not None:
             who, kind = item.src, item.event.kind
-            if self.degraded and who in self.ck.shards and self.centre is not None:
-                state = self.centre.state  # the fleet moved: not calm yet
-                self.calm_since = state.version if state is not None else self.ck.round
+            if who in self.ck.shards and self.centre is not None and self.centre.state is not None:
+                self.degrade.moved(self.centre.state.version)  # not calm yet
             if who in ep.members and kind in ("lost", "left"):
                 self.counters.add("agent_lost")
                 if self.asynchronous:
@@ -552,7 +512,7 @@ class Coordinator:
             log.error("checkpoint of round %d is not the agents' final model", self.ck.round)
         summary["checkpoint_round"] = self.ck.round
         state = self.centre.state if self.centre is not None else None
-        summary["degraded"] = self.degradations
+        summary["degraded"] = self.degrade.times
         if state is not None and self.asynchronous:  # the centre's versions, not agents' cycles
             summary["rounds"] = state.version
             summary["staleness"] = {str(k): v for k, v in sorted(state.staleness.items())}

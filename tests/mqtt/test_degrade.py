@@ -7,7 +7,7 @@ goes on through the coordinator as an asynchronous job (the survivors push
 deltas, a lost agent is only dropped), and returns to the ring once no agent has
 come or gone for `degrade_calm` versions. Here agent a3 dies (`kill -9`), comes
 back and dies again: three re-formations; the other three go on asynchronously,
-then on a ring of three.
+and once nobody came or went for a while, the ring again (a3 rejoins it when back).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def _moves_on(out: Path, what: str) -> None:
 def test_three_broken_rings_go_on_asynchronously_and_back_to_the_ring(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
-    job = job_toml(tmp_path, rounds=3000, eval_every=10, target_accuracy=0.975,
-                   degrade_after=3, degrade_window=1000, degrade_calm=20)  # fmt: skip
+    # lr 0.05 (half the default): the asynchronous stretch stays below the target
+    job = job_toml(tmp_path, rounds=2000, eval_every=10, target_accuracy=0.97, lr=0.05,
+                   degrade_after=3, degrade_window=1000, degrade_calm=5)  # fmt: skip
     out = tmp_path / "run"
     proc = started(broker.url, job, out, 5)
     try:
@@ -43,6 +44,7 @@ def test_three_broken_rings_go_on_asynchronously_and_back_to_the_ring(
         wait_for(lambda: "a3 came back" in _log(out), 90, "a3 back")
         _moves_on(out, "the ring with a3 again")
         fleet.kill("a3", signal.SIGKILL)  # break 3: lost again -> asynchronous
+        fleet.start("a3")  # back meanwhile: the ring gets all four shards again
         summary = finish(proc)
     finally:
         if fleet.procs["a3"].poll() is not None:
@@ -53,6 +55,6 @@ def test_three_broken_rings_go_on_asynchronously_and_back_to_the_ring(
     assert summary["degraded"] == 1
     assert any("going on asynchronously" in w for w in whys), whys
     assert any("back to the ring" in w for w in whys), whys
-    assert summary["final_accuracy"] >= 0.975 and summary["identical_models"]
-    assert summary["layout"] == "ring of 3"  # finished on the ring, without a3
+    assert summary["final_accuracy"] >= 0.97 and summary["identical_models"]
+    assert summary["layout"].startswith("ring of")  # finished on the ring (a3 in it or not)
     assert checkpoint_round(out) == summary["rounds"]
