@@ -4,14 +4,16 @@ A manifest is the same size whatever the number of agents: the agent's own row o
 the shard table (`ShardEntry`, which names the whole table by its sha256) instead
 of the table, and of the ring only the size, the agent's rank and the names of the
 members it exchanges with (`collective.torus.contacts`: its ring neighbours, on a
-grid each axis's) instead of every member; then the job spec, the key, and where
-the segment starts. The full table and member list stay with the coordinator.
+grid each axis's) instead of every member, and its weight in the mean (1/N, or
+its capped shard-size weight for ``weighted``); then the job spec, the key, and
+where the segment starts. The full table and member list stay with the coordinator.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from fedring.aggregation.rules import Aggregation, capped_weights
 from fedring.collective.torus import contacts
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.training.sharding import ShardManifest
@@ -25,6 +27,10 @@ def segment_docs(
     "async" sends the deltas through the coordinator (an async job or a degraded ring)."""
     table = ShardManifest.from_dict(ck.shard_manifest)
     topology, world = str(ck.spec.get("topology", "auto")), len(members)
+    weights = [1.0 / world] * world  # each member's share of the mean
+    if Aggregation.parse(str(ck.spec.get("aggregation", "mean"))).kind == "weighted":
+        sizes = [table.sizes[ck.shards[m]] for m in members]  # capped as `simulate` does
+        weights = capped_weights(sizes, float(ck.spec.get("weight_cap", 2.0))).tolist()
 
     def peers(rank: int) -> dict[str, str]:
         return {str(i): members[i] for i in contacts(topology, world, rank)}
@@ -32,7 +38,7 @@ def segment_docs(
     return {
         agent: {
             "job": ck.job, "epoch": epoch, "key": ck.key.hex(), "world": world,
-            "rank": rank, "peers": peers(rank),
+            "rank": rank, "peers": peers(rank), "weight": weights[rank],
             "head": members[0], "shard": ck.shards[agent], "spec": ck.spec,
             "shard_entry": table.entry(ck.shards[agent]).to_dict(),
             "model_sha256": ck.model_sha256, "start_round": start,

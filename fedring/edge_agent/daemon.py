@@ -179,7 +179,7 @@ class AgentDaemon:
                 members=ring_view(doc), start_round=int(doc["start_round"]),
                 params_sha256=str(doc.get("params_sha256", "")), head=str(doc["head"]),
                 max_frame_bytes=int(doc.get("max_frame_bytes", 0)),
-                asynchronous=doc.get("mode") == "async",
+                asynchronous=doc.get("mode") == "async", weight=float(doc.get("weight", 0.0)),
             )  # fmt: skip
             if seg.members[int(doc["rank"])] != self.me:
                 raise JobRefused(f"{self.me} is not rank {doc['rank']} of the ring: "

@@ -86,6 +86,7 @@ class Segment:
     head: str  # uploads the checkpoint every `checkpoint_every` rounds
     max_frame_bytes: int = 0  # the ring's frame size (the smallest member's); 0: the default
     asynchronous: bool = False  # through the coordinator: an async job, or a degraded ring
+    weight: float = 0.0  # this member's share of the mean; 0: 1 / members
 
     @property
     def channel_job(self) -> str:
@@ -193,20 +194,22 @@ class JobWorker:
 
     # -- running ----------------------------------------------------------------
 
-    def bind(self, group: Group) -> Member:
-        """Train with `group` from now on: build this agent's member on first use, or
-        move the kept one onto the re-formed ring (its size changes weights and rate)."""
+    def bind(self, group: Group, weight: float = 0.0) -> Member:
+        """Train with `group` from now on, with `weight` in the mean (0: 1 / members):
+        build this agent's member on first use, or move the kept one onto the re-formed
+        ring (its size changes weights and rate)."""
         spec = self.spec.replace(agents=group.world)
+        weight = weight or 1.0 / group.world
         if self.member is None:
             self.member = build.member(
                 spec, self.task, self.dataset, self.model, self.x, self.y, group,
-                rank=self.shard, weight=1.0 / group.world,
+                rank=self.shard, weight=weight,
             )  # fmt: skip
             self._keep(self.committed)
             return self.member
         opt = self.member.state.optimizer
         opt.reducer.collective, opt.reducer.centre = group.collective, group.centre
-        opt.weight = 1.0 / group.world
+        opt.weight = weight
         factor = self.member.scaling.factor  # keep the monitor's halvings
         self.member.scaling = build.scaling(spec, opt.optimizer)
         self.member.scaling.factor = factor
@@ -239,7 +242,8 @@ class JobWorker:
         if centre is not None:
             hub = Centre(PeerChannel(centre, seg.channel_job, key=key, counters=counters,
                                      limits=limits), topics.COORDINATOR)  # fmt: skip
-        m = self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s, hub))
+        m = self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s, hub),
+                      seg.weight)  # fmt: skip
 
         def before(r: int) -> None:
             if gate is not None:

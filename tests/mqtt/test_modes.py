@@ -23,3 +23,19 @@ def test_ring_mode_matches_simulate(
     assert summary["identical_models"] and summary["reformations"] == 0
     assert summary["rounds"] == local["rounds"] == 40
     assert summary["model_hashes"] == local["model_hashes"]
+
+
+@pytest.mark.parametrize("topology", ["ring", "star"])
+def test_weighted_over_mqtt_uses_the_shard_size_weights_simulate_uses(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path, topology: str
+) -> None:
+    """`weighted` with skewed shards: each agent's manifest carries its capped
+    shard-size weight (not 1/N), so the job ends with `simulate`'s parameters."""
+    job = job_toml(tmp_path, aggregation="weighted", sharding="quantity:1.0",
+                   topology=topology, rounds=30)  # fmt: skip
+    summary = finish(coordinator(broker.url, job, tmp_path / "run"))
+    spec = JobSpec.from_toml(job)
+    local = simulate(spec)
+    assert summary["identical_models"]
+    assert summary["model_hashes"] == local["model_hashes"]
+    assert local["model_hashes"] != simulate(spec.replace(aggregation="mean"))["model_hashes"]
