@@ -153,7 +153,9 @@ def destroy(namespaces: Sequence[str], grace_s: float = 3.0) -> list[str]:
     _signal_all(targets, signal.SIGKILL)
     left = []
     for ns in targets:
-        for _ in range(20):
+        # a killed process can take seconds to go on a loaded machine (a torch process
+        # freeing its memory): wait for it, or it outlives the namespace's name
+        for _ in range(150):
             if not ns_pids(ns):
                 break
             time.sleep(0.1)
