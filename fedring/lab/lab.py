@@ -124,6 +124,7 @@ class Lab:
             stop(proc)
         left = netns.destroy(self.net.namespaces())
         alive = [f"{name} (pid {p.pid})" for name, p in self.procs if p.poll() is None]
+        self._record(closed_at=time.time())  # a namespace's inode is reused after this
         return left + alive
 
     # -- processes ------------------------------------------------------------------
@@ -143,14 +144,22 @@ class Lab:
         self._record()
         return proc
 
-    def _record(self) -> None:
+    def _record(self, closed_at: float | None = None) -> None:
         """`lab.json`: the namespaces (with their inodes) and every PID started, so a
-        test or an operator can check afterwards that nothing outlived the lab."""
+        test or an operator can check afterwards that nothing outlived the lab; once
+        closed, when (a process that started later, in a namespace that got one of
+        these inodes again, is not the lab's)."""
         pids = [p.pid for _, p in self.procs]
         if self.broker is not None and self.broker.pid is not None:
             pids.append(self.broker.pid)
-        doc = {"prefix": self.net.prefix, "namespaces": netns.inodes(self.net.namespaces()),
-               "pids": pids}  # fmt: skip
+        doc: dict[str, Any] = {"prefix": self.net.prefix, "pids": pids}
+        if closed_at is None:
+            doc["namespaces"] = netns.inodes(self.net.namespaces())
+        else:  # the namespaces and the broker are gone: keep what was recorded
+            path = self.workdir / "lab.json"
+            old = json.loads(path.read_text()) if path.exists() else {}
+            doc.update(namespaces=old.get("namespaces", {}), pids=old.get("pids", pids),
+                       closed_at=closed_at)  # fmt: skip
         (self.workdir / "lab.json").write_text(json.dumps(doc, indent=1))
 
     def host(self, node: str) -> str:
