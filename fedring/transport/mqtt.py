@@ -27,8 +27,8 @@ The sender of an inbox message is the topic's last level, which the broker's ACL
 binds to the client's user name (see `topics`); QoS 1 may deliver twice, so
 `PeerChannel` de-duplicates by (src, seq).
 
-Why one module of about 470 lines: paho's callbacks, presence, reconnection and
-the bounded send queue share one client and one lock; splitting them would spread
+Why one module of about 780 lines: paho's callbacks, presence, heartbeats,
+reconnection and the bounded send queue share one client and one lock; splitting them would spread
 that locking across files.
 """
 
@@ -690,8 +690,36 @@ class MqttLink:
             pass
         self._closed = True
         self._stop_beats.set()
-        self._client.disconnect()
+        props = None
+        if self._v5:  # the broker forgets our session with this goodbye
+            props = Properties(PacketTypes.DISCONNECT)
+            props.SessionExpiryInterval = 0
+        self._client.disconnect(properties=props)
         self._client.loop_stop()
+        if not self._v5:
+            self._forget_session()
+
+    def _forget_session(self) -> None:
+        """MQTT 3.1.1 keeps a persistent session (and queues what its subscriptions match)
+        until a clean-session connect with our id: make one, so that a clean goodbye
+        leaves nothing behind (a crashed link's session is left to the broker's
+        ``persistent_client_expiration``)."""
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fedring-{self.me}",
+                             protocol=mqtt.MQTTv311, clean_session=True)  # fmt: skip
+        if self.cfg.username is not None:
+            client.username_pw_set(self.cfg.username, self.cfg.password)
+        answered = threading.Event()
+        client.on_connect = lambda *_args: answered.set()
+        try:
+            if self.cfg.tls:
+                self._tls_set(client)
+            client.connect(self.cfg.host, self.cfg.port, keepalive=self.cfg.keepalive)
+            client.loop_start()
+            if answered.wait(2.0):
+                client.disconnect()
+            client.loop_stop()
+        except (OSError, TransportError, ValueError) as exc:  # gone already: the expiry's job
+            log.info("%s: could not clear its broker session (%s)", self.me, exc)
 
     def kill(self) -> None:
         """Drop the connection without a goodbye (tests): the broker sends our will."""
