@@ -67,6 +67,7 @@ class GridWorker:
     reducer: Reducer | None  # None: one replica, or nothing to reduce
     micro_batches: int
     losses: list[float] = field(default_factory=list)  # last stage: the batch loss per step
+    bytes_after: list[int] = field(default_factory=list)  # bytes this endpoint sent, per step
     reduce_s: float = 0.0  # seconds in the stage ring
 
     def train_step(self, step: int, lr: float) -> None:
@@ -94,6 +95,7 @@ class GridWorker:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+        self.bytes_after.append(stage.channel.endpoint.stats.bytes_sent)
 
 
 def build_grid(

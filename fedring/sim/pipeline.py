@@ -138,10 +138,11 @@ def _train(
         t0 = time.perf_counter()
         run_steps(grid, start=r, steps=steps, lr_at=lr.lr_at, hub=hub)
         train_s += time.perf_counter() - t0
+        workers = [w for row in grid for w in row]
         for i in range(r, r + steps):
             loss = sum(w.losses[i] for w in grid[-1]) / len(grid[-1])
-            rows.append({"round": i, "loss": loss, "lr": lr.lr_at(i),
-                         "bytes_sent": _mean_sent(grid)})  # fmt: skip
+            sent = sum(w.bytes_after[i] for w in workers) / len(workers)
+            rows.append({"round": i, "loss": loss, "lr": lr.lr_at(i), "bytes_sent": sent})
         r += steps
         test_loss, accuracy = task.evaluate(assembled(grid), dataset)
         evals.append({"round": r - 1, "test_loss": test_loss, "accuracy": accuracy})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -50,6 +51,8 @@ def test_a_2_x_2_grid_trains_digits_and_reports_plan_bubble_bytes_throughput() -
     assert r["pipeline_payload_bytes_per_agent"] > 0 and r["ring_payload_bytes_per_agent"] > 0
     assert r["throughput_samples_per_s"] > 0 and r["throughput_estimate_samples_per_s"] > 0
     assert len(r["rows"]) == 40 and r["rows"][-1]["accuracy"] == r["final_accuracy"]
+    sent = [row["bytes_sent"] for row in r["rows"]]  # cumulative per agent, every step
+    assert all(a < b for a, b in itertools.pairwise(sent)) and sent[-1] == r["bytes_sent_per_agent"]
     assert r["final_accuracy"] > 0.5  # digits, 40 steps of a 2 x 2 grid (chance: 0.1)
     assert r["counters"]["pp-act_sent"] == r["counters"]["pp-grad_sent"] == 40 * 4 * 2
 

@@ -1,0 +1,72 @@
+"""Stage frames: refused when they do not fit, counted; a failing stage never hangs the grid."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedring.collective.channel import CollectiveTimeout, PeerChannel
+from fedring.compression.quantize import DenseCodec
+from fedring.counters import Counters
+from fedring.engine.group import LOCAL_KEY
+from fedring.engine.reducer import ReducerSettings
+from fedring.pipeline.grid import PipelineSettings, build_grid, run_steps
+from fedring.pipeline.stage import ACT, Stage, WireSettings
+from fedring.transport.base import Deadline
+from fedring.transport.inproc import InprocTransport
+from tests.pipeline.test_equivalence import model_of, plan_for
+
+
+def test_an_activation_of_the_wrong_size_is_refused_counted_and_the_right_one_taken() -> None:
+    hub, counters = InprocTransport(), Counters()
+    prev = PeerChannel(hub.connect("prev"), "j", key=LOCAL_KEY, counters=counters)
+    own = PeerChannel(hub.connect("me"), "j", key=LOCAL_KEY, counters=counters)
+    stage = Stage(1, 2, nn.Linear(4, 3), own, "prev", None, (4,), F.cross_entropy,
+                  WireSettings(timeout_s=5.0))  # fmt: skip
+    deadline = Deadline.after(5.0)
+    prev.send("me", DenseCodec().compress(torch.ones(2 * 5)), round=0, step=0, phase=ACT,
+              deadline=deadline)  # fmt: skip
+    good = torch.arange(8, dtype=torch.float32)
+    prev.send("me", DenseCodec().compress(good), round=0, step=0, phase=ACT, deadline=deadline)
+    stage.forward(0, 0, rows=2)
+    torch.testing.assert_close(stage._saved[0][0].detach(), good.view(2, 4))
+    assert counters.get("frame_shape_mismatch") == 1
+
+
+def test_a_silent_neighbour_ends_the_wait_at_the_deadline_with_a_typed_error() -> None:
+    hub = InprocTransport()
+    hub.connect("prev")
+    stage = Stage(1, 2, nn.Linear(4, 3), PeerChannel(hub.connect("me"), "j", key=LOCAL_KEY),
+                  "prev", None, (4,), F.cross_entropy, WireSettings(timeout_s=0.3))  # fmt: skip
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match="pp-act step 0 of round 3 from 'prev'"):
+        stage.forward(3, 0, rows=2)
+    assert time.monotonic() - start < 2.0
+
+
+def test_a_stage_that_fails_mid_run_stops_the_whole_grid_promptly() -> None:
+    model = model_of(6, 1)
+    calls = {"n": 0}
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise RuntimeError("board 3 ran out of memory")
+        return F.cross_entropy(out, y)
+
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    hub = InprocTransport(cooperative=True)
+    settings = PipelineSettings(2, "1f1b", WireSettings(timeout_s=30.0))
+    grid = build_grid(
+        list(model), plan_for(model, [0, 2, 4], 2, "1f1b"), 2, settings, loss_fn=loss,
+        make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        reducer_settings=ReducerSettings(), data=lambda d: lambda: (x, y), hub=hub,
+    )  # fmt: skip
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="board 3 ran out of memory"):
+        run_steps(grid, start=0, steps=10, lr_at=lambda s: 0.1, hub=hub)
+    assert time.monotonic() - start < 10.0  # neighbours saw it leave, not their 30 s deadline
