@@ -314,6 +314,12 @@ def simulate_cmd(
         except Exception as exc:
             err.print(f"[red]run failed: {type(exc).__name__}: {escape(str(exc))}[/red]")
             raise typer.Exit(1) from None
+    if members is not None and piped:
+        from fedring.sim.pipeline_clock import estimate_pipeline
+
+        summary.update(estimate_pipeline(spec, summary, members))
+        if baseline is not None:
+            baseline.update(estimate_pipeline(dense_spec, baseline, members))
     if members is not None and host is not None:
         summary.update(fleet_clock.estimate(spec, summary, members, host))
         if baseline is not None:

@@ -61,8 +61,10 @@ class Stage:
     loss_fn: LossFn | None = None  # the last stage's loss
     wire: WireSettings = field(default_factory=WireSettings)
     payload_bytes_sent: int = 0  # activations and gradients, as they went in bodies
-    forward_s: float = 0.0  # compute of the forwards so far (waits excluded)
-    backward_s: float = 0.0  # compute of the backwards so far (waits excluded)
+    # CPU seconds of this thread (torch runs single-threaded here): compute only,
+    # never a wait for a neighbour nor another thread's turn
+    forward_s: float = 0.0  # the forwards so far
+    backward_s: float = 0.0  # the backwards so far
     micro_run: int = 0  # forwards run so far
     _saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -108,9 +110,9 @@ class Stage:
             assert self.prev is not None
             inp = self._recv(self.prev, (rows, *self.in_shape), step, micro, ACT)
             inp.requires_grad_(True)
-        start = time.perf_counter()
+        start = time.thread_time()
         out = self.module(inp)
-        self.forward_s += time.perf_counter() - start
+        self.forward_s += time.thread_time() - start
         self.micro_run += 1
         self._saved[micro] = (inp, out)
         if self.next is not None:
@@ -126,18 +128,18 @@ class Stage:
         if self.last:
             if y is None or self.loss_fn is None:
                 raise ValueError("the last stage needs the loss and the micro-batch's targets")
-            start = time.perf_counter()
+            start = time.thread_time()
             value = self.loss_fn(out, y)
             (value * scale).backward()
-            self.backward_s += time.perf_counter() - start
+            self.backward_s += time.thread_time() - start
             loss = float(value.detach())
         else:
             assert self.next is not None
             grad = self._recv(self.next, tuple(out.shape), step, micro, GRAD)
-            start = time.perf_counter()
+            start = time.thread_time()
             if out.requires_grad:
                 out.backward(grad)
-            self.backward_s += time.perf_counter() - start
+            self.backward_s += time.thread_time() - start
         if self.prev is not None:
             g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
             self._send(self.prev, g, step, micro, GRAD)

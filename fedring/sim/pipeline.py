@@ -177,6 +177,18 @@ def _summary(
     hashes = [sorted({params_sha256(w.stage.module) for w in row}) for row in grid]
     numels = [param_count(row[0].stage.module) for row in grid]
     dense = sum(2 * (replicas - 1) / replicas * n * 4 * rounds for n in numels) / len(grid)
+    rows_mb = math.ceil(spec.batch_size / m)
+    width = 2 if spec.activation_dtype == "fp16" else 4
+    costs = [
+        {"forward_s": fwd[s], "backward_s": bwd[s],
+         "ring_compute_s": sum(w.reduce_s for w in row) / len(row) / rounds,
+         "ring_payload_bytes_per_step": sum(w.stage.channel.payload_bytes_sent
+                                            - w.stage.payload_bytes_sent for w in row)
+         / len(row) / rounds,
+         "activation_bytes": rows_mb * math.prod(plan.stages[s + 1].in_shape) * width
+         if s + 1 < len(plan.stages) else 0}
+        for s, row in enumerate(grid)
+    ]  # fmt: skip
     return {
         "final_accuracy": evals[-1]["accuracy"] if evals else 0.0,
         "rounds": rounds,
@@ -190,6 +202,7 @@ def _summary(
         "ring_payload_bytes_per_agent": total - pp,
         "dense_equivalent_bytes": dense,  # the stage rings' share, as dense fp32
         "bubble_fraction": line.bubble,
+        "stage_costs": costs,  # per stage, this host: seconds per micro-batch, bytes per step
         "step_seconds_estimate": line.makespan_s + reduce_s,
         "throughput_samples_per_s": samples / train_s if train_s > 0 else 0.0,
         "throughput_estimate_samples_per_s": spec.batch_size
