@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -90,3 +91,17 @@ def test_a_stage_no_board_can_hold_fails_naming_stage_board_and_megabytes() -> N
     text = " ".join(result.output.split())  # the console wraps long lines
     assert "stage 1 on rpi-zero-2w: layer 3 (Linear) alone needs ~320.6 MB" in text
     assert "its budget is 115 MB" in text
+
+
+def test_out_writes_the_report_and_the_reassembled_model_as_checked_onnx(tmp_path: Path) -> None:
+    result = runner.invoke(app, [
+        "simulate", "--agents", "2", "--pipeline-stages", "2", "--rounds", "4",
+        "--eval-every", "2", "--out", str(tmp_path), "--json",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    onnx = json.loads(result.stdout)["onnx"]
+    assert onnx["checker_ok"] and onnx["parity_ok"]  # all stages, in order, in one graph
+    assert onnx["accuracy_onnx"] == pytest.approx(onnx["accuracy_torch"])
+    assert (tmp_path / "model.onnx").is_file() and (tmp_path / "report.md").is_file()
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["plan"]["stages"][1]["start"] == saved["plan"]["stages"][0]["end"]
