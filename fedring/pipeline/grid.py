@@ -31,6 +31,7 @@ from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.counters import Counters
 from fedring.engine.group import LOCAL_KEY, Group
 from fedring.engine.reducer import Reducer, ReducerSettings
+from fedring.engine.sampler import ShardSampler
 from fedring.pipeline.partition import StagePlan
 from fedring.pipeline.schedule import Op, ops
 from fedring.pipeline.stage import LossFn, Stage, WireSettings
@@ -38,6 +39,20 @@ from fedring.training.models import flat_grads, param_count, set_flat_grads
 from fedring.transport.inproc import InprocTransport
 
 Batch = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class ShardBatches:
+    """A replica's batches from its shard; every stage of the replica draws the same
+    (seeded) ones, and its sampler's state goes into the stage's checkpoint."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    sampler: ShardSampler
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(self.sampler.next_batch())
+        return self.x[idx], self.y[idx]
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from fedring.pipeline.grid import (
     Batch,
     GridWorker,
     PipelineSettings,
+    ShardBatches,
     assembled,
     build_grid,
     run_steps,
@@ -93,13 +94,8 @@ def simulate_pipeline(
 
     def data(d: int) -> Batch:
         x, y = shards[d][1], shards[d][2]
-        sampler = ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=d)
-
-        def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-            idx = torch.tensor(sampler.next_batch())
-            return x[idx], y[idx]
-
-        return next_batch
+        return ShardBatches(x, y, ShardSampler(len(x), batch_size=spec.batch_size,
+                                               seed=spec.seed, rank=d))  # fmt: skip
 
     settings = PipelineSettings(
         spec.micro_batches, spec.pipeline_schedule,
