@@ -93,9 +93,10 @@ class GridWorker:
         xs = torch.tensor_split(x, self.micro_batches)
         ys = torch.tensor_split(y, self.micro_batches)
         rows = [len(c) for c in xs]
+        stage = self.stage
+        stage.module.train()  # an evaluation of the assembled model left it in eval mode
         if self.optimizer is not None:
             self.optimizer.zero_grad()
-        stage = self.stage
         losses = stage.run(step, self.ops, rows, xs if stage.first else None,
                            ys if stage.last else None)  # fmt: skip
         if stage.last:

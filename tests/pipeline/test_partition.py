@@ -18,7 +18,7 @@ def cost(i: int, seconds: float, param_mb: float = 0.0, act_mb: float = 0.0) -> 
 
 def test_measure_layers_counts_params_activations_and_times_the_big_layer_longer() -> None:
     model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.Linear(512, 4))
-    costs = measure_layers(list(model), torch.randn(32, 16), repeats=3)
+    costs = measure_layers(list(model), torch.randn(32, 16), repeats=9)
     assert [c.params for c in costs] == [16 * 512 + 512, 0, 512 * 512 + 512, 512 * 4 + 4]
     assert [c.activation_bytes for c in costs] == [32 * 512 * 4] * 3 + [32 * 4 * 4]
     assert costs[2].out_shape == (512,)
