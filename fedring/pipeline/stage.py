@@ -39,6 +39,15 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ACT, GRAD = "pp-act", "pp-grad"
 
 
+FP16_MAX = 65504.0
+
+
+class NonFiniteActivation(ArithmeticError):
+    """An activation or gradient to send holds NaN or Inf (training diverged): the
+    receiver would refuse it and wait to its deadline, so the sender stops at once,
+    saying where."""
+
+
 @dataclass(frozen=True)
 class WireSettings:
     """How a stage's activations and gradients travel."""
@@ -77,7 +86,16 @@ class Stage:
         return self.index == self.count - 1
 
     def _send(self, dst: str, t: torch.Tensor, step: int, micro: int, phase: str) -> None:
-        payload = DenseCodec(self.wire.dtype).compress(t.detach().reshape(-1))
+        flat = t.detach().reshape(-1)
+        peak = float(flat.abs().max()) if flat.numel() else 0.0
+        if not math.isfinite(peak):
+            raise NonFiniteActivation(
+                f"stage {self.index}: the {phase} of micro-batch {micro}, step {step}, holds "
+                "NaN or Inf"
+            )
+        if self.wire.dtype == "fp16" and peak > FP16_MAX:  # the codec clamps: count it
+            self.channel.counters.add(f"{phase}_fp16_clamped")
+        payload = DenseCodec(self.wire.dtype).compress(flat)
         self.channel.send(dst, payload, round=step, step=micro, phase=phase,
                           deadline=Deadline.after(self.wire.timeout_s))  # fmt: skip
         self.payload_bytes_sent += payload.wire_nbytes

@@ -15,7 +15,7 @@ from fedring.counters import Counters
 from fedring.engine.group import LOCAL_KEY
 from fedring.engine.reducer import ReducerSettings
 from fedring.pipeline.grid import PipelineSettings, assembled, build_grid, run_steps
-from fedring.pipeline.stage import ACT, Stage, WireSettings
+from fedring.pipeline.stage import ACT, NonFiniteActivation, Stage, WireSettings
 from fedring.transport.base import Deadline
 from fedring.transport.inproc import InprocTransport
 from tests.pipeline.test_equivalence import model_of, plan_for
@@ -84,3 +84,18 @@ def test_a_step_trains_in_train_mode_after_an_evaluation_of_the_assembled_model(
     assembled(grid).eval()  # what task.evaluate does between chunks of steps
     run_steps(grid, start=0, steps=1, lr_at=lambda s: 0.1, hub=hub)
     assert all(m.training for row in grid for m in row[0].stage.module.modules())
+
+
+def test_a_nan_stops_the_sender_saying_where_and_fp16_clamping_is_counted() -> None:
+    hub, counters = InprocTransport(), Counters()
+    hub.connect("next")
+    layer = nn.Linear(4, 3)
+    with torch.no_grad():
+        layer.weight.fill_(1e5)  # outputs far beyond fp16's 65504
+    own = PeerChannel(hub.connect("me"), "j", key=LOCAL_KEY, counters=counters)
+    stage = Stage(0, 2, layer, own, None, "next", (), None, WireSettings("fp16", timeout_s=5.0))
+    stage.forward(2, 0, rows=2, x=torch.ones(2, 4))
+    assert counters.get("pp-act_fp16_clamped") == 1 and counters.get("pp-act_sent") == 1
+    with pytest.raises(NonFiniteActivation, match=r"stage 0: the pp-act of micro-batch 1, step 2"):
+        stage.forward(2, 1, rows=2, x=torch.full((2, 4), float("nan")))
+    assert counters.get("pp-act_sent") == 1
