@@ -21,7 +21,7 @@ import torch
 from fedring.collective import CollectiveTimeout, PeerChannel
 from fedring.compression import GroupTopK, PayloadLimits
 from fedring.transport import Deadline, InprocTransport
-from fedring.wire import FrameLimits, encode_frame
+from fedring.wire import FrameLimits, encode_compact
 from fedring.wire.arrays import pack_arrays
 from fedring.wire.chunks import split_payload
 from fedring.wire.frame import Frame
@@ -37,7 +37,7 @@ def _good_frames(key: bytes | None) -> tuple[list[bytes], torch.Tensor]:
     spec, body = pack_arrays(arrays)
     meta["arrays"] = spec
     template = Frame(kind="chunk", job="j", src="s", dst="r", seq=0, step=3, phase="rs", meta=meta)
-    frames = [encode_frame(f, key) for f in split_payload(template, body, 0, LIMITS)]
+    frames = [encode_compact(f, key) for f in split_payload(template, body, 0, LIMITS)]
     return frames, payload.decompress()
 
 
