@@ -107,7 +107,29 @@ class SparseGroups:
         return decode_values(self.values, self.scales).reshape(-1)
 
     def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
-        _scatter_add(out, self.positions(), self.dense_values(), alpha)
+        # Rows of whole groups scatter into a [rows, G] view of `out`: no flat positions
+        # to build. Indices are distinct within a row, so every entry of `out` takes at
+        # most one addition and the bits equal `index_add_`'s; only the padded last
+        # group goes through `_scatter_add`.
+        g, n = self.group_size, self.n
+        if not out.is_contiguous():
+            _scatter_add(out, self.positions(), self.dense_values(), alpha)
+            return
+        full = max(0, min(n, self.numel // g - self.group_start))
+        vals = decode_values(self.values, self.scales)
+        if alpha != 1.0:
+            vals = vals * alpha  # rounded, then added: what index_add_ does with alpha
+        idx = self.indices.to(torch.int64)
+        lo = self.group_start * g
+        if full:
+            out[lo : lo + full * g].view(full, g).scatter_add_(1, idx[:full], vals[:full])
+        if full < n:  # the vector's last group, cut short: its padding is dropped
+            start = lo + full * g
+            i, v = idx[full], vals[full]
+            keep = i < self.numel - start
+            if not bool(keep.all()):
+                i, v = i[keep], v[keep]
+            out[start:].scatter_add_(0, i, v)
 
     def decompress(self) -> torch.Tensor:
         out = torch.zeros(self.numel, dtype=torch.float32)
