@@ -27,7 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from fedring.compression.sparse import MAX_GROUP_SIZE, SparseGroups, index_dtype, n_groups
-from fedring.compression.values import ValueDtype, check_value_dtype, encode_values, exactify
+from fedring.compression.values import (
+    ValueDtype,
+    check_value_dtype,
+    encode_values,
+    exactify_decoded,
+)
 
 _BLOCK_ENTRIES = 1 << 17  # rows per block keep |x| of one block in cache (measured: ~30% faster)
 
@@ -76,10 +81,12 @@ class GroupTopK:
         rows, idx = _select(x.reshape(-1), g, k, g0, g1)
         values, scales = encode_values(rows, self.value_dtype)
         sign = self.value_dtype == "sign"
+        decoded = None
         if not sign:  # +-1 cannot be zeroed; sign keeps the invariant to one rounding
-            values = exactify(rows, values, scales)
+            values, decoded = exactify_decoded(rows, values, scales)
         _, idx_dtype = index_dtype(g)
-        return SparseGroups(numel, g, k, g0, idx.to(idx_dtype), values, scales, sign)
+        return SparseGroups(numel, g, k, g0, idx.to(idx_dtype), values, scales, sign,
+                            decoded=decoded, wide_indices=idx)  # fmt: skip
 
 
 def _select(x: torch.Tensor, g: int, k: int, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +126,8 @@ def _select_small(
     """`_select` for ranges of one block: the padded last group joins the others'
     rows, so a small model's selection is four to six torch calls, not a dozen.
     Every row is selected on its own, as in `_select`: the same entries come out."""
-    n, seg = g1 - g0, x[g0 * g : g1 * g]
+    n = g1 - g0
+    seg = x.narrow(0, g0 * g, min(n * g, x.numel() - g0 * g))
     if seg.numel() == n * g:
         rows = seg.view(n, g)
         mags = rows.abs()

@@ -2,7 +2,8 @@
 
 `GroupTopK` selects a range of at most one block in one batch of rows (the padded
 last group included), and `SparseGroups.add_to` scatters into a [rows, G] view of
-the output; both exist to cut torch calls a round on small models. A model's hash
+the output with the decoded values and int64 indices the compressor kept; all
+exist to cut torch calls a round on small models. A model's hash
 must not move for it, so both are compared bit for bit with the general paths:
 the blocked selection (forced by a block of one row) and `index_add_` at flat
 positions, over random sizes, group sizes, dtypes, ranges, ties and alphas.
@@ -18,6 +19,7 @@ import torch
 from fedring.compression import group_topk
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.sparse import SparseGroups, _scatter_add
+from fedring.compression.values import decode_values
 
 DTYPES = ("fp32", "fp16", "bf16", "int8", "sign")
 
@@ -56,7 +58,8 @@ def test_small_selection_matches_the_blocked_one(monkeypatch: pytest.MonkeyPatch
 
 
 def _reference_add(p: SparseGroups, out: torch.Tensor, alpha: float) -> None:
-    _scatter_add(out, p.positions(), p.dense_values(), alpha)
+    # decoded from the wire values, not what the compressor kept: the cache is checked too
+    _scatter_add(out, p.positions(), decode_values(p.values, p.scales).reshape(-1), alpha)
 
 
 @pytest.mark.parametrize("alpha", [1.0, -1.0, 0.37, -2.5])
