@@ -1,4 +1,4 @@
-"""Compact frames (protocol version 2): the ring's and gather's payload frames.
+"""Compact frames (protocol version 2): every payload frame a `PeerChannel` sends.
 
 A sparse ring chunk of the MNIST-1D CNN carries about 30 bytes of payload; the
 version-1 envelope (`fedring.wire.frame`: a msgpack map with string keys, a 32-byte
