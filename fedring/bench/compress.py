@@ -9,7 +9,7 @@ of entries as ours (k per group times the number of groups):
 
 "select + encode" is everything from the flat float32 vector to compact arrays
 ready for a body (indices narrowed, values cast, int8 scales). Wire bytes are the
-full encoded frames: msgpack header, sha256, HMAC, every part.
+full encoded frames as a ring sends them: compact header, tag, every part.
 `compression_ratio` = dense fp32 bytes / our wire bytes.
 """
 
@@ -27,7 +27,8 @@ from fedring.compression.payload import PayloadLimits
 from fedring.compression.sparse import n_groups
 from fedring.compression.values import BYTES_PER_VALUE, ValueDtype, torch_dtype
 from fedring.wire.chunks import Reassembler, split_payload
-from fedring.wire.frame import Frame, FrameLimits, decode_frame, encode_frame
+from fedring.wire.compact import decode_compact, encode_compact
+from fedring.wire.frame import Frame, FrameLimits
 
 _KEY = b"bench-job-key"
 
@@ -55,13 +56,15 @@ def sampled_threshold(
 def encode_wire(payload: Any, limits: FrameLimits) -> list[bytes]:
     meta, body = encode_payload(payload)
     template = Frame(kind="chunk", job="bench", src="a", dst="b", seq=0, meta=meta)
-    return [encode_frame(f, _KEY) for f in split_payload(template, body, 0, limits)]
+    return [encode_compact(f, _KEY) for f in split_payload(template, body, 0, limits)]
 
 
 def decode_wire(frames: list[bytes], limits: FrameLimits) -> Any:
     parts = Reassembler(limits)
     for data in frames:
-        done = parts.add(decode_frame(data, _KEY, limits))
+        done = parts.add(
+            decode_compact(data, job="bench", src="a", dsts=("b",), key=_KEY, limits=limits)
+        )
     head, body = done  # type: ignore[misc]
     return decode_payload(head.meta, body, PayloadLimits())
 

@@ -1,7 +1,7 @@
 """`fedring bench ring`: bytes per agent of four all-reduce schemes, real frames.
 
 Every scheme runs N agents on threads over the in-process transport; bytes are
-the encoded frames each agent sent (headers, sha256, HMAC, parts included), as
+the encoded frames each agent sent (compact headers, tags, parts included), as
 the transport counted them. Schemes:
 - dense: fp32 ring all-reduce, the baseline (ratio 1);
 - exact: sparse ring, partial sums carry the union of supports;

@@ -1,7 +1,8 @@
 """Payloads to frames and back, between this endpoint and one named peer at a time.
 
-`PeerChannel.send` packs a payload into a body, splits it into frames below the
-frame limit, signs them with the job key, and hands them to the transport.
+`PeerChannel.send` packs a payload into a body, splits it into compact frames
+(`fedring.wire.compact`: a header of at most 64 B) below the frame limit, signs
+them with the job key, and hands them to the transport.
 `PeerChannel.recv` waits (with a deadline) for the payload a peer sent for one
 position in the schedule (round, step, phase). On the way it refuses and counts
 everything else: malformed frames, bad hashes or MACs, frames for another job,
@@ -30,8 +31,9 @@ from fedring.transport.base import (
     TransportTimeout,
 )
 from fedring.wire.chunks import Reassembler, SeenWindow, split_payload
+from fedring.wire.compact import decode_compact, encode_compact
 from fedring.wire.errors import FrameError, FrameReason
-from fedring.wire.frame import Frame, FrameLimits, decode_frame, encode_frame
+from fedring.wire.frame import Frame, FrameLimits
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,7 @@ class PeerChannel:
         for _ in frames[1:]:
             next(self._seq)
         for frame in frames:
-            data = encode_frame(frame, self.key)
+            data = encode_compact(frame, self.key)
             if len(data) > self.limits.max_frame_bytes:  # a header too big: our bug, not theirs
                 raise ValueError(f"encoded frame of {len(data)} bytes > max_frame_bytes")
             try:
@@ -200,15 +202,10 @@ class PeerChannel:
     def _take(self, sender: str, data: bytes) -> None:
         """Check one delivery and stash its payload bytes, or refuse and count it."""
         try:
-            frame = decode_frame(data, self.key, self.limits)
-            if sender and frame.src != sender:  # "" where a transport cannot tell
-                raise FrameError(
-                    FrameReason.UNEXPECTED, f"frame claims src {frame.src!r}, came from {sender!r}"
-                )
-            if frame.job != self.job or frame.dst not in (self.name, "*"):
-                raise FrameError(
-                    FrameReason.UNEXPECTED, f"frame for job {frame.job!r} to {frame.dst!r}"
-                )
+            if not sender:  # the compact frame's tag binds the sender's name, so it must be known
+                raise FrameError(FrameReason.UNEXPECTED, "the transport did not name the sender")
+            frame = decode_compact(data, job=self.job, src=sender, dsts=(self.name, "*"),
+                                   key=self.key, limits=self.limits)  # fmt: skip
             if not self._seen.first_time(frame.src, frame.seq):
                 self.counters.add("duplicate")
                 return

@@ -85,7 +85,7 @@ class SparseReduction:
             return GroupSparse.from_dense(src, self.group_size, span)
         sent = self.topk.compress(src, groups=span)
         a, b = span[0] * self.group_size, min(span[1] * self.group_size, src.numel())
-        self.kept[a:b].add_(src[a:b])
+        self.kept.narrow(0, a, b - a).add_(src.narrow(0, a, b - a))
         sent.add_to(self.kept, alpha=-1.0)  # exact: kept == accumulated - sent
         return sent
 

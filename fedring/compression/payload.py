@@ -146,5 +146,9 @@ def no_extra(arrays: Decoded, names: set[str]) -> None:
 
 
 def finite(t: torch.Tensor, what: str) -> None:
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    if t.dtype in (torch.float32, torch.float16):  # numpy: a third of torch's cost per call
+        ok = bool(np.isfinite(t.numpy()).all())
+    else:
+        ok = not t.is_floating_point() or bool(torch.isfinite(t).all())
+    if not ok:
         raise PayloadError(PayloadReason.NON_FINITE, f"{what} holds NaN or Inf")

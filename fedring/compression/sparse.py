@@ -13,7 +13,7 @@ index costs one or two bytes whatever the model size.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -80,6 +80,10 @@ class SparseGroups:
     values: torch.Tensor  # [n, k] float32, float16, bfloat16 or int8 (+-1 when `sign`)
     scales: torch.Tensor | None = None  # [n] float32, with int8 and sign values
     sign: bool = False  # values are +-1 times the scale; one bit each on the wire
+    # What the compressor had at hand, kept so that adding the payload does not
+    # convert again: decode_values(values, scales), and the indices as int64.
+    decoded: torch.Tensor | None = field(default=None, repr=False)
+    wide_indices: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def n(self) -> int:
@@ -104,10 +108,38 @@ class SparseGroups:
         return _positions(groups[:, None], self.indices, self.group_size).reshape(-1)
 
     def dense_values(self) -> torch.Tensor:
-        return decode_values(self.values, self.scales).reshape(-1)
+        return self._decoded().reshape(-1)
+
+    def _decoded(self) -> torch.Tensor:
+        return self.decoded if self.decoded is not None else decode_values(self.values, self.scales)
 
     def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
-        _scatter_add(out, self.positions(), self.dense_values(), alpha)
+        # Rows of whole groups scatter into a [rows, G] view of `out`: no flat positions
+        # to build. Indices are distinct within a row, so every entry of `out` takes at
+        # most one addition and the bits equal `index_add_`'s; only the padded last
+        # group goes through `_scatter_add`.
+        g, n = self.group_size, self.n
+        if not out.is_contiguous():
+            _scatter_add(out, self.positions(), self.dense_values(), alpha)
+            return
+        full = max(0, min(n, self.numel // g - self.group_start))
+        vals = self._decoded()
+        if alpha != 1.0:
+            vals = vals * alpha  # rounded, then added: what index_add_ does with alpha
+        idx = self.wide_indices if self.wide_indices is not None else self.indices.to(torch.int64)
+        lo = self.group_start * g
+        if full == n:  # narrow, not slices: a third of the Python cost on small tensors
+            out.narrow(0, lo, n * g).view(n, g).scatter_add_(1, idx, vals)
+            return
+        if full:
+            out.narrow(0, lo, full * g).view(full, g).scatter_add_(1, idx[:full], vals[:full])
+        if full < n:  # the vector's last group, cut short: its padding is dropped
+            start = lo + full * g
+            i, v = idx[full], vals[full]
+            keep = i < self.numel - start
+            if not bool(keep.all()):
+                i, v = i[keep], v[keep]
+            out[start:].scatter_add_(0, i, v)
 
     def decompress(self) -> torch.Tensor:
         out = torch.zeros(self.numel, dtype=torch.float32)

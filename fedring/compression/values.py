@@ -67,11 +67,20 @@ def decode_values(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Te
 
 def exactify(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """Zero the encoded entries whose residual ``rows - decoded`` would round."""
+    return exactify_decoded(rows, values, scales)[0]
+
+
+def exactify_decoded(
+    rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`exactify`, and ``decode_values`` of what it returns (computed on the way):
+    a zeroed entry decodes to 0.0 in every dtype, scales being finite and >= 0."""
     decoded = decode_values(values, scales)
     bad = (rows - decoded) + decoded != rows
     if bool(bad.any()):
         values = values.masked_fill(bad, 0)
-    return values
+        decoded = decoded.masked_fill(bad, 0.0)
+    return values, decoded
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -93,11 +93,12 @@ def _compress_measured(
         return DenseCodec("fp32").compress(vec), 0.0, 0.0
     g = ef.compensate(vec) if ef is not None else vec
     sent = topk.compress(g, k=k)
-    norm = float(g.norm())
-    missed = float((g - sent.decompress()).norm())
-    if ef is not None:
-        ef.update(sent)
-    return sent, missed, norm
+    # torch.linalg.vector_norm is what Tensor.norm() calls, without its Python layer
+    norm = float(torch.linalg.vector_norm(g))
+    if ef is None:
+        return sent, float(torch.linalg.vector_norm(g - sent.decompress())), norm
+    ef.update(sent)  # the residual (g itself) becomes g - sent, bit for bit: no decompress
+    return sent, float(torch.linalg.vector_norm(ef.residual)), norm
 
 
 @dataclass
@@ -134,7 +135,7 @@ class Reducer:
 
     @property
     def residual_norm(self) -> float:
-        return float(self.ef.residual.norm()) if self.ef is not None else 0.0
+        return float(torch.linalg.vector_norm(self.ef.residual)) if self.ef is not None else 0.0
 
     def _k(self, round: int) -> int | None:
         """k of the DGC density warm-up in this round; None: the codec's own."""

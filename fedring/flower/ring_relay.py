@@ -40,7 +40,7 @@ from fedring.compression.quantize import DenseChunk
 from fedring.compression.sparse import SparseGroups
 from fedring.flower import carrier
 from fedring.transport.base import Delivery
-from fedring.wire.frame import decode_frame
+from fedring.wire.compact import decode_compact
 
 ACTION = "ring"  # message type "train.ring"
 _STATE = "fedring.ring"
@@ -148,11 +148,11 @@ def unfinished_input(context: Context, round: int, me: str) -> Payload | None:
     if kept is None or kept["round"] != round or kept["done"]:
         return None
     own = list(kept["own"])
-    return carrier.unpack(own, src=me, dst=me, round=round, phase="own", numel=_numel(own))
+    return carrier.unpack(own, src=me, dst=me, round=round, phase="own", numel=_numel(own, me))
 
 
-def _numel(frames: list[bytes]) -> int:
-    return int(decode_frame(frames[0]).meta["numel"])
+def _numel(frames: list[bytes], me: str) -> int:
+    return int(decode_compact(frames[0], job=carrier.JOB, src=me, dsts=(me,)).meta["numel"])
 
 
 def relay(

@@ -1,7 +1,8 @@
-"""Frames on the wire: msgpack envelope, integrity, parts, and array bodies."""
+"""Frames on the wire: msgpack envelope, compact payload frames, integrity, parts, arrays."""
 
 from fedring.wire.arrays import DTYPES, pack_arrays, unpack_arrays
 from fedring.wire.chunks import Reassembler, SeenWindow, split_payload
+from fedring.wire.compact import COMPACT_VERSION, decode_compact, encode_compact
 from fedring.wire.errors import FrameError, FrameReason
 from fedring.wire.frame import (
     KINDS,
@@ -13,6 +14,7 @@ from fedring.wire.frame import (
 )
 
 __all__ = [
+    "COMPACT_VERSION",
     "DTYPES",
     "KINDS",
     "PROTOCOL_VERSION",
@@ -22,7 +24,9 @@ __all__ = [
     "FrameReason",
     "Reassembler",
     "SeenWindow",
+    "decode_compact",
     "decode_frame",
+    "encode_compact",
     "encode_frame",
     "pack_arrays",
     "split_payload",

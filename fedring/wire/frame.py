@@ -114,8 +114,12 @@ def decode_frame(data: bytes, key: bytes | None = None, limits: FrameLimits | No
         raise FrameError(
             FrameReason.OVERSIZE, f"frame of {len(data)} bytes > {limits.max_frame_bytes}"
         )
-    raw = _unpack(data, limits)
-    _check_shape(raw, limits.max_depth)
+    if data[:1] == b"\x02":  # see `fedring.wire.compact`
+        raise FrameError(
+            FrameReason.BAD_VERSION, f"v=2 (a compact frame), this side speaks {PROTOCOL_VERSION}"
+        )
+    raw = unpack_bounded(data, limits)
+    check_shape(raw, limits.max_depth)
     frame, digest, tag = _fields(raw, limits)
     if sha256(frame.body) != digest:
         raise FrameError(
@@ -125,7 +129,8 @@ def decode_frame(data: bytes, key: bytes | None = None, limits: FrameLimits | No
     return frame
 
 
-def _unpack(data: bytes, limits: FrameLimits) -> Any:
+def unpack_bounded(data: bytes | memoryview, limits: FrameLimits) -> Any:
+    """One msgpack value within `limits`, no extension types; `FrameError` otherwise."""
     try:
         return msgpack.unpackb(
             data,
@@ -169,7 +174,7 @@ def _reason_for(message: str) -> FrameReason:
     return FrameReason.MALFORMED
 
 
-def _check_shape(value: Any, max_depth: int) -> None:
+def check_shape(value: Any, max_depth: int) -> None:
     """Refuse non-str keys anywhere and nesting deeper than `max_depth`."""
     if not isinstance(value, dict):
         raise FrameError(FrameReason.MALFORMED, f"top level is {type(value).__name__}, not a map")

@@ -4,11 +4,11 @@ The wire fuzz tests stop at the payload decoder; this one goes through
 `PeerChannel.recv`: sender and job checks, de-duplication, reassembly, the stash,
 decoding with the caller's limits, and `accept`.
 
-With a job key every mutant must be refused and the good payload sent after it
-must arrive intact. Without a key only the body is covered (by its sha256), so a
-mutant with a damaged but well-formed header can take the good frame's place and
-the wait may time out: there the rule is "a payload or `CollectiveTimeout`,
-nothing else ever escapes".
+Every mutant must be refused and the good payload sent after it must arrive
+intact, with a job key or without one: a compact frame's tag (an HMAC with a key,
+a sha256 digest without) covers its header as well as its body, so a damaged
+header cannot take the good frame's place. (The version-1 envelope's sha256
+covered the body alone; without a key such mutants could win and time the wait out.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from fedring.collective import CollectiveTimeout, PeerChannel
 from fedring.compression import GroupTopK, PayloadLimits
 from fedring.transport import Deadline, InprocTransport
-from fedring.wire import FrameLimits, encode_frame
+from fedring.wire import FrameLimits, encode_compact
 from fedring.wire.arrays import pack_arrays
 from fedring.wire.chunks import split_payload
 from fedring.wire.frame import Frame
@@ -37,7 +37,7 @@ def _good_frames(key: bytes | None) -> tuple[list[bytes], torch.Tensor]:
     spec, body = pack_arrays(arrays)
     meta["arrays"] = spec
     template = Frame(kind="chunk", job="j", src="s", dst="r", seq=0, step=3, phase="rs", meta=meta)
-    frames = [encode_frame(f, key) for f in split_payload(template, body, 0, LIMITS)]
+    frames = [encode_compact(f, key) for f in split_payload(template, body, 0, LIMITS)]
     return frames, payload.decompress()
 
 
@@ -82,10 +82,6 @@ def test_mutants_never_escape_the_channel(key: bytes | None) -> None:
             continue
         outcomes["payload"] += 1
         refused += sum(v for k, v in receiver.counters.snapshot().items() if k.startswith("frame_"))
-        if key is not None:
-            assert torch.equal(got.decompress(), expected)
-    if key is not None:
-        assert outcomes == {"payload": 2000, "timeout": 0}
-        assert refused >= 1900  # a few mutants (e.g. a cut after the last byte) are harmless
-    else:
-        assert outcomes["payload"] > 1500, outcomes
+        assert torch.equal(got.decompress(), expected)
+    assert outcomes == {"payload": 2000, "timeout": 0}
+    assert refused >= 1900  # a few mutants (e.g. a cut after the last byte) are harmless

@@ -23,6 +23,7 @@ from fedring.compression.payload import Payload
 from fedring.transport import Deadline, InprocTransport
 from fedring.wire.arrays import pack_arrays
 from fedring.wire.chunks import Reassembler, split_payload
+from fedring.wire.compact import decode_compact, encode_compact, header_bytes
 from fedring.wire.errors import FrameError, FrameReason
 from fedring.wire.frame import Frame, FrameLimits, decode_frame, encode_frame
 from fedring.wire.integrity import sha256
@@ -660,23 +661,30 @@ def _good_frame_bytes(seq: int, step: int, key: bytes) -> tuple[bytes, Payload]:
         meta=meta,
         body=body,
     )
-    return encode_frame(frame, key), payload
+    return encode_compact(frame, key), payload
 
 
-_TRUNCATED = _good_frame_bytes(900, 0, b"k")[0][:-7]
+_GOOD = _good_frame_bytes(900, 0, b"k")[0]
+_TRUNCATED = _GOOD[: header_bytes(_GOOD) - 1]
 _WRONG_KEY = _good_frame_bytes(901, 0, b"wrong")[0]
+_VERSION_1 = encode_frame(decode_compact(_GOOD, job="j", src="a", dsts=("b",), key=b"k"), b"k")
+_OTHER_JOB = encode_compact(
+    decode_compact(_GOOD, job="j", src="a", dsts=("b",), key=b"k").replace(job="j2"), b"k"
+)
 
 
 @pytest.mark.parametrize(
     "garbage, reason",
     [
-        (b"\x93\x01\x02\x03", "malformed"),
-        (b"\xc1 not msgpack at all", "malformed"),
+        (b"\x93\x01\x02\x03", "bad_version"),
+        (b"\xc1 not msgpack at all", "bad_version"),
+        (_VERSION_1, "bad_version"),
         (_TRUNCATED, "truncated"),
         (_WRONG_KEY, "bad_mac"),
-        (b"\x81\x01\x02", "non_string_keys"),
+        (_OTHER_JOB, "unexpected"),
+        (_GOOD[:7] + b"\x00" + _GOOD[8:], "bad_mac"),
     ],
-    ids=["list", "text", "truncated", "wrong-key", "int-key"],
+    ids=["list", "text", "version-1", "truncated", "wrong-key", "other-job", "header-byte"],
 )
 def test_channel_counts_refused_frame(garbage: bytes, reason: str) -> None:
     sender_ep, sender, receiver = _pair()
@@ -703,7 +711,7 @@ def test_channel_counts_refused_multi_part_payload() -> None:
         for f in frames
     ]
     for f in frames:
-        sender_ep.send("b", encode_frame(f, b"k"), Deadline.after(1))
+        sender_ep.send("b", encode_compact(f, b"k"), Deadline.after(1))
     sender.send("b", payload, round=1, step=2, phase="reduce", deadline=Deadline.after(1))
     got = receiver.recv("a", round=1, step=2, phase="reduce", deadline=Deadline.after(5))
     assert torch.equal(got.decompress(), payload.decompress())
