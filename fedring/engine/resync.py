@@ -98,3 +98,12 @@ def summarise(drifts: list[tuple[str, int, Drift]], every: int) -> dict[str, obj
         "l2": max((d.l2 for _, _, d in drifts), default=0.0),
         "by_member": dict(sorted(by_member.items())),
     }
+
+
+def nudge(model: torch.nn.Module, scale: float, *, seed: int) -> None:
+    """Add seeded noise of about `scale` to every parameter: a test's stand-in for a
+    member whose CPU rounds differently (``FEDRING_INJECT_DRIFT`` on an agent)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
