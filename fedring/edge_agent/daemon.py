@@ -34,6 +34,7 @@ from fedring.collective.channel import CollectiveError, CollectiveTimeout
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
 from fedring.edge_agent.worker import Halted, JobRefused, JobWorker, Segment
+from fedring.firmware_profiles.apply import runtime_rss
 from fedring.firmware_profiles.schema import Profile
 from fedring.training.datasets import DatasetError
 from fedring.training.models import flat_bytes, flat_sha256
@@ -111,6 +112,7 @@ class AgentDaemon:
         self.jobs_done = 0
         self.machine = os.environ.get(MACHINE_ENV) or platform.machine()
         self.inject_drift = _env_float(DRIFT_ENV)
+        self.runtime_bytes = runtime_rss()  # torch imported, no job yet: the budget counts it
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -198,6 +200,7 @@ class AgentDaemon:
                     self.me, seg.job, spec, int(doc["shard"]), doc["shard_entry"],
                     str(doc["model_sha256"]), self.data_dir, self.budget,
                     task=doc.get("task"), allowed_modules=self.allowed_modules,
+                    runtime_bytes=self.runtime_bytes,
                 )  # fmt: skip
                 self.worker.drift = self.inject_drift
                 assert self.link is not None
