@@ -8,7 +8,7 @@
 #   ROUNDS=100 deploy/arm64-check.sh      # shorter
 #
 # It installs the agent inside the root as docs/deploy.md says for Raspberry Pi OS
-# (torch 2.9.1 from PyPI, a CPU build on aarch64; fedring with the `datasets` extra),
+# (torch 2.9.1 from PyPI, a CPU build on aarch64; fedring with the `digits` extra),
 # and prints each run's summary figures: accuracy, members and re-formations,
 # machines, and the measured cross-architecture drift. Work files: $ROOT, $WORK.
 set -euo pipefail
@@ -67,7 +67,7 @@ inroot /bin/sh -ec "
     cd /opt/fedring
     [ -x .venv/bin/pip ] || python3 -m venv .venv
     .venv/bin/pip install --quiet --progress-bar off torch==$TORCH_ARM64
-    .venv/bin/pip install --quiet --progress-bar off -c src/constraints-arm64.txt -e 'src[datasets]'
+    .venv/bin/pip install --quiet --progress-bar off -c src/constraints-arm64.txt -e 'src[digits]'
     .venv/bin/python -c 'import platform, torch; print(platform.machine(), torch.__version__)'
 "
 du -sm "$ROOT/opt/fedring/.venv" | awk '{print "arm64 agent venv: " $1 " MB"}'

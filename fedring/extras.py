@@ -5,7 +5,9 @@ An agent installs only ``fedring`` (torch, numpy, msgpack, paho-mqtt, typer, ric
 imports them only when a job needs one (`tests/test_lean.py` checks this). A
 missing one is an `MissingExtra` naming the extra to install::
 
-    pip install "fedring[datasets]"   # scikit-learn (digits), mnist1d
+    pip install "fedring[digits]"     # scikit-learn: the digits dataset
+    pip install "fedring[mnist1d]"    # mnist1d (with scipy and matplotlib)
+    pip install "fedring[datasets]"   # both
     pip install "fedring[onnx]"       # onnx, onnxruntime, onnxscript: export, ORT checks
     pip install "fedring[plot]"       # matplotlib: report.md's plots
     pip install "fedring[flower]"     # flwr[simulation]: `fedring flower ...`
@@ -17,8 +19,8 @@ import importlib
 from types import ModuleType
 
 EXTRAS = {  # top-level module -> the extra that installs it
-    "sklearn": "datasets",
-    "mnist1d": "datasets",
+    "sklearn": "digits",
+    "mnist1d": "mnist1d",
     "onnx": "onnx",
     "onnxruntime": "onnx",
     "onnxscript": "onnx",

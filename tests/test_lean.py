@@ -38,7 +38,7 @@ def test_the_agent_imports_no_optional_package() -> None:
 def test_a_missing_dataset_package_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("sklearn", "sklearn.datasets"):
         monkeypatch.setitem(sys.modules, name, None)  # import now fails as if not installed
-    want = r"dataset 'digits' needs .*'sklearn'.*fedring\[datasets\]"
+    want = r"dataset 'digits' needs .*'sklearn'.*fedring\[digits\]"
     with pytest.raises(DatasetError, match=want):
         load_dataset("digits", seed=0)
 
