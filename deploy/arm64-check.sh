@@ -6,6 +6,7 @@
 #
 #   deploy/arm64-check.sh                 # ROUNDS=200 RESYNC_EVERY=50 by default
 #   ROUNDS=100 deploy/arm64-check.sh      # shorter
+#   JOB_EXTRA='compression = "none"' deploy/arm64-check.sh   # more job fields
 #
 # It installs the agent inside the root as docs/deploy.md says for Raspberry Pi OS
 # (torch 2.9.1 from PyPI, a CPU build on aarch64; fedring with the `digits` extra),
@@ -91,6 +92,7 @@ eval_every = 10
 seed = 0
 timeout_s = 300.0
 resync_every = $RESYNC_EVERY
+${JOB_EXTRA:-}
 EOF
 
 run_job() {  # NAME: coordinator run of job.toml; prints the figures
