@@ -112,7 +112,6 @@ class AgentDaemon:
         self.jobs_done = 0
         self.machine = os.environ.get(MACHINE_ENV) or platform.machine()
         self.inject_drift = _env_float(DRIFT_ENV)
-        self.runtime_bytes = runtime_rss()  # torch imported, no job yet: the budget counts it
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -200,7 +199,7 @@ class AgentDaemon:
                     self.me, seg.job, spec, int(doc["shard"]), doc["shard_entry"],
                     str(doc["model_sha256"]), self.data_dir, self.budget,
                     task=doc.get("task"), allowed_modules=self.allowed_modules,
-                    runtime_bytes=self.runtime_bytes,
+                    runtime=runtime_rss,  # the budget counts the process as it is
                 )  # fmt: skip
                 self.worker.drift = self.inject_drift
                 assert self.link is not None

@@ -102,7 +102,7 @@ class JobWorker:
         self, me: str, job: str, spec: JobSpec, shard: int, manifest: dict[str, Any],
         model_sha256: str, data_dir: Path | None = None, budget: Profile | None = None, *,
         task: dict[str, Any] | None = None, allowed_modules: tuple[str, ...] = (),
-        runtime_bytes: int = 0,  # the agent's resident memory before any job (measured)
+        runtime: Callable[[], int] | None = None,  # resident bytes now (0 / None: assumed)
     ) -> None:  # fmt: skip
         self.me, self.job, self.spec, self.shard = me, job, spec, shard
         try:  # only a task installed here, or from a module this agent allows
@@ -132,8 +132,10 @@ class JobWorker:
                                            spec.seed)  # fmt: skip
         if budget is not None:  # refuse before training, with the estimate and the budget
             data = dataset_bytes(dataset)
+            # Measured now: the interpreter, torch, the dataset's packages and the data.
+            used = runtime() if runtime is not None else 0
             check_budget(budget, estimate_memory(spec, model, dataset.feature_shape, data,
-                                                 runtime_bytes))  # fmt: skip
+                                                 used))  # fmt: skip
         self.model, self.x, self.y, self.dataset = model, x, y, dataset
         self.numel = param_count(model)
         self._param_names = [name for name, _ in model.named_parameters()]

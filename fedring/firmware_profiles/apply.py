@@ -10,8 +10,9 @@ would hold on the board and `check_budget` refuses a job that would not fit
     + 220 MB for the runtime: 2,569,034 parameters x 24 fp32 copies = 235.2 MB,
     activations 5.0 MB (batch 32), data 38.2 MB, runtime 220.0 MB (assumed)
 
-The runtime counts too: the agent process's resident memory before any job (the
-interpreter, torch, fedring), measured by the agent at start-up (`runtime_rss`);
+The runtime counts too: the agent process's resident memory when it checks the job
+(the interpreter, torch, fedring, the dataset's packages and the loaded dataset),
+measured by the agent (`runtime_rss`);
 where nothing is measured (the simulator's `--fleet`), the 220 MB that every
 profile's budget comment sets aside for it. A board whose runtime is heavier than
 that has less left for the job (docs/fleet.md has the measured figures).
@@ -115,7 +116,7 @@ class MemoryEstimate:
 
 def runtime_rss() -> int:
     """This process's resident bytes now (Linux ``/proc/self/statm``; 0 elsewhere).
-    An agent calls it at start-up, with torch imported and before any job."""
+    An agent calls it when it checks a job, its dataset loaded, before training."""
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):

@@ -125,6 +125,6 @@ def test_the_agent_worker_counts_its_measured_runtime() -> None:
     p = plan(small)
     args = ("a0", "job", small, 0, p.manifest.entry(0).to_dict(), p.model_sha256)
     zero = load_builtin("rpi-zero-2w")
-    assert JobWorker(*args, budget=zero, runtime_bytes=200 * MB).numel > 0
+    assert JobWorker(*args, budget=zero, runtime=lambda: 200 * MB).numel > 0
     with pytest.raises(OverBudget, match="measured"):
-        JobWorker(*args, budget=zero, runtime_bytes=400 * MB)
+        JobWorker(*args, budget=zero, runtime=lambda: 400 * MB)
