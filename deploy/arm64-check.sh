@@ -112,17 +112,23 @@ EOF
 }
 
 agent_x86() { "$PY" -m fedring -v agent --broker "$URL" --id "$1" > "$WORK/$1.log" 2>&1 & PIDS+=($!); }
-agent_arm() {
-    inroot /opt/fedring/.venv/bin/python -m fedring -v agent --broker "$URL" --id "$1" \
-        > "$WORK/$1.log" 2>&1 &
+agent_arm() {  # exec: $! is the agent itself (qemu running python), stopped by PID
+    (exec chroot "$ROOT" /usr/bin/env HOME=/root /opt/fedring/.venv/bin/python -m fedring -v \
+        agent --broker "$URL" --id "$1" > "$WORK/$1.log" 2>&1) &
     PIDS+=($!)
+}
+stop_last_two() {  # SIGTERM: the agents halt, publish "offline" and exit
+    local a=${PIDS[-1]} b=${PIDS[-2]}
+    kill "$a" "$b" 2>/dev/null || true
+    wait "$a" "$b" 2>/dev/null || true
 }
 
 agent_x86 x86-a
 agent_arm arm-a
 run_job mixed
-kill "${PIDS[-1]}" "${PIDS[-2]}" 2>/dev/null || true; wait "${PIDS[-1]}" "${PIDS[-2]}" 2>/dev/null || true
+stop_last_two
 agent_x86 x86-b
 agent_x86 x86-c
 run_job x86
+stop_last_two
 step "done: $WORK/mixed.json, $WORK/x86.json"
