@@ -70,9 +70,10 @@ def measure(url: str, tmp: Path, profile: str, dataset: str, model: str, rounds:
         )  # fmt: skip
         peak = status_kb(pid, "VmHWM")
         summary = json.loads(run.stdout) if run.returncode == 0 else {}
-        refused = "refused" in (agents[0][1].read_text(errors="replace"))
+        why = [line.split("refused the job: ", 1)[1] for line in
+               agents[0][1].read_text(errors="replace").splitlines() if "refused the job" in line]
         return {"idle_mb": idle / 1024, "peak_mb": peak / 1024, "ok": run.returncode == 0,
-                "accuracy": summary.get("final_accuracy"), "refused": refused}  # fmt: skip
+                "accuracy": summary.get("final_accuracy"), "refused": why[0] if why else ""}
     finally:
         for proc, _ in agents:
             proc.terminate()
@@ -105,6 +106,9 @@ def main() -> None:
         acc = f"{r['accuracy']:.4f}" if r["accuracy"] is not None else "-"
         print(f"| {r['profile']} | {r['threads']} | {r['job']} | {r['idle_mb']:.0f} "
               f"| {r['peak_mb']:.0f} | {r['budget_mb']} | {fits} | {acc} |")  # fmt: skip
+    for r in rows:
+        if r["refused"]:
+            print(f"{r['profile']}, {r['job']}: refused: {r['refused']}")
 
 
 if __name__ == "__main__":
