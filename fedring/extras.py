@@ -33,6 +33,17 @@ class MissingExtra(ImportError):
     """An optional dependency is not installed; the message names the extra."""
 
 
+def explain(exc: ImportError) -> str | None:
+    """The message for an optional package's `ImportError` (None: not one of ours)."""
+    if isinstance(exc, MissingExtra):
+        return str(exc)
+    top = (exc.name or "").split(".")[0]
+    if top not in EXTRAS:
+        return None
+    return f"this command needs the Python package {top!r}, which is not installed: " \
+        f"pip install \"fedring[{EXTRAS[top]}]\""
+
+
 def require(module: str, needed_for: str) -> ModuleType:
     """Import `module` (e.g. ``"sklearn.datasets"``) or raise `MissingExtra`
     saying that `needed_for` needs it and which extra installs it."""

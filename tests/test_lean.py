@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +50,23 @@ def test_require_names_the_extra_of_each_optional_module(monkeypatch: pytest.Mon
         with pytest.raises(MissingExtra, match=rf"fedring\[{extra}\]"):
             require(module, "this test")
     assert require("json", "this test") is json
+
+
+
+def test_a_command_whose_extra_is_missing_says_which(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from fedring import cli
+
+    for name in [m for m in sys.modules if m.startswith(("onnx", "fedring.coordinator.onnx"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "onnx", None)  # ONNX not installed
+    checkpoint = tmp_path / "checkpoint.pt"
+    checkpoint.write_bytes(b"")
+    argv = ["fedring", "export", "onnx", str(checkpoint), "--out", str(tmp_path / "m.onnx")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as info:
+        cli.main()
+    assert info.value.code == 2
+    said = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "'onnx', which is not installed" in said and 'pip install "fedring[onnx]"' in said
