@@ -235,6 +235,18 @@ def simulate_cmd(
         help="Sync: 1 applies each agreed gradient one round late, so the ring runs during "
         "the next round's compute (SEEDS D). [0 = off]",
     ),
+    pipeline_stages: int | None = typer.Option(
+        None,
+        help="Model parallelism: cut the model into S stages; the agents form an S x D grid "
+        "(docs/pipeline.md). [1 = off]",
+    ),
+    micro_batches: int | None = typer.Option(
+        None, help="Pipeline: micro-batches per replica batch. [4]"
+    ),
+    pipeline_schedule: str | None = typer.Option(None, help="Pipeline: gpipe | 1f1b. [1f1b]"),
+    activation_dtype: str | None = typer.Option(
+        None, help="Pipeline: activations on the wire, fp32 | fp16. [fp32]"
+    ),
     target_accuracy: float | None = typer.Option(None, help="Stop once reached (0 = never). [0]"),
     seed: int | None = typer.Option(None, help="Seed of split, shards, init and batches. [0]"),
     out: Path | None = typer.Option(
@@ -269,12 +281,18 @@ def simulate_cmd(
         if members is not None:
             flags.setdefault("agents", len(members))
         spec = JobSpec.from_toml(config, flags) if config else JobSpec.from_mapping(flags)
-        if members is not None:
+        piped = spec.pipeline_stages > 1  # stages are fitted to the boards' budgets instead
+        if members is not None and not piped:
             fleet_clock.check_fleet(spec, members)  # before training: size and memory
+        elif members is not None and len(members) != spec.agents:
+            raise fleet_clock.FleetError(
+                f"--fleet has {len(members)} boards but the job has agents={spec.agents}"
+            )
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)  # unwrapped: the numbers stay readable
         raise typer.Exit(2) from None
-    host = fleet_clock.measure_host(spec) if members is not None else None
+    profiles = [m.profile for m in members] if members is not None and piped else None
+    host = fleet_clock.measure_host(spec) if members is not None and not piped else None
     with Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
         bar = progress.add_task(
             f"{spec.sync} {spec.compression} N={spec.agents}", total=spec.rounds
@@ -286,15 +304,23 @@ def simulate_cmd(
         onnx: dict[str, Any] = {}
         done = cli_export.export_after_run(out, spec.seed, onnx) if out is not None else None
         try:
-            summary = simulate(spec, on_round=tick, on_done=done)
+            summary = simulate(spec, on_round=tick, on_done=done, fleet=profiles)
             dense_spec = dense_twin(spec)
-            baseline = simulate(dense_spec) if with_dense and dense_spec != spec else None
+            baseline = (
+                simulate(dense_spec, fleet=profiles) if with_dense and dense_spec != spec else None
+            )
         except (ValueError, FileNotFoundError) as exc:  # refused input: shards, model, dataset
             err.print(f"[red]error: {escape(str(exc))}[/red]")
             raise typer.Exit(2) from None
         except Exception as exc:
             err.print(f"[red]run failed: {type(exc).__name__}: {escape(str(exc))}[/red]")
             raise typer.Exit(1) from None
+    if members is not None and piped:
+        from fedring.sim.pipeline_clock import estimate_pipeline
+
+        summary.update(estimate_pipeline(spec, summary, members))
+        if baseline is not None:
+            baseline.update(estimate_pipeline(dense_spec, baseline, members))
     if members is not None and host is not None:
         summary.update(fleet_clock.estimate(spec, summary, members, host))
         if baseline is not None:
@@ -309,6 +335,8 @@ def simulate_cmd(
     if as_json:
         typer.echo(json.dumps(brief, sort_keys=True))
     else:
+        if "plan_text" in brief:
+            Console().print(escape(brief["plan_text"]))
         Console().print(_simulate_table(spec, brief))
     if "error" in onnx:
         err.print(f"[red]ONNX export failed its checks: {escape(str(onnx['error']))}[/red]")
@@ -330,6 +358,11 @@ def _simulate_table(spec: Any, r: dict[str, Any]) -> Table:
     table.add_row("identical models", str(r["identical_models"]))
     table.add_row("rollbacks", str(r["rollbacks"]))
     table.add_row("wall seconds", f"{r['wall_seconds']:.1f}")
+    if "bubble_fraction" in r:
+        table.add_row("pipeline bubble fraction", f"{r['bubble_fraction']:.3f}")
+        table.add_row("samples/s on this host", f"{r['throughput_samples_per_s']:,.0f}")
+        table.add_row("samples/s, S x D machines (est.)",
+                      f"{r['throughput_estimate_samples_per_s']:,.0f}")  # fmt: skip
     if "sim_seconds" in r:
         to_target = r["sim_seconds_to_target"]
         table.add_row(f"simulated seconds on {r['fleet']}", f"{r['sim_seconds']:.1f}")

@@ -81,8 +81,8 @@ _KEY = typer.Option(
     None, "--key", exists=True, dir_okay=False, help="Client private key (TLS client auth)."
 )
 _KEEPALIVE_HELP = (
-    "MQTT keep-alive, seconds; a hung peer is seen lost 1.5x this after its last packet, "
-    "plus up to 5 s (Mosquitto 2.0 checks keep-alives every 5 s)."
+    "MQTT keep-alive, seconds; the link beats 3 times per keep-alive, and the coordinator "
+    "takes a board silent for 1.25x this for lost (a hung board is seen within 1.5x)."
 )
 _KEEPALIVE = typer.Option(5, "--keepalive", min=2, max=600, help=_KEEPALIVE_HELP)
 _AGENT_KEEPALIVE = typer.Option(

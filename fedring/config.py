@@ -29,6 +29,8 @@ LR_SCALINGS = ("linear", "sqrt", "none")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 INITS = ("sent", "derived")
 RESYNCS = ("mixed", "always", "never")  # as `engine.resync.RESYNC_POLICIES`
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # fedring.pipeline.schedule.SCHEDULES
+ACTIVATION_DTYPES = ("fp32", "fp16")
 TASK_REF = re.compile(r"[A-Za-z_][\w.-]*(:[A-Za-z_]\w*)?")
 
 
@@ -115,6 +117,13 @@ class JobSpec:
     # all-reduce of round r's gradient runs while round r+1 computes (SEEDS D's
     # delayed update); every agent still applies the same updates.
     update_delay: int = 0
+    # Model parallelism (docs/pipeline.md): cut the model into this many stages, one per
+    # board; the `agents` boards form an S x D grid (D = agents / S replicas of each
+    # stage, each stage's replicas in their own ring). 1 = off (data parallelism only).
+    pipeline_stages: int = 1
+    micro_batches: int = 4  # M: each replica's batch flows through the stages in M parts
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b (same bubble, 1f1b holds fewer activations)
+    activation_dtype: str = "fp32"  # activations and their gradients on the wire: fp32 | fp16
 
     def __post_init__(self) -> None:
         _check_int(self, "agents", 1, 1024)
@@ -158,6 +167,7 @@ class JobSpec:
         _check_int(self, "degrade_window", 1, 10**6)
         _check_int(self, "degrade_calm", 1, 10**6)
         _check_sample(self)
+        _check_pipeline(self)
         if self.async_wait > self.agents:
             raise SpecError(f"async_wait={self.async_wait} exceeds agents={self.agents}")
         try:
@@ -302,3 +312,27 @@ def _check_sample(spec: JobSpec) -> None:
             "alike), not "
             f"topology={spec.topology!r}, sync={spec.sync!r}, aggregation={spec.aggregation!r}"
         )
+
+
+def _check_pipeline(spec: JobSpec) -> None:
+    """Pipeline fields: ranges, and a job the S x D grid can run."""
+    _check_int(spec, "pipeline_stages", 1, 64)
+    _check_int(spec, "micro_batches", 1, 4096)
+    _check_choice(spec, "pipeline_schedule", PIPELINE_SCHEDULES)
+    _check_choice(spec, "activation_dtype", ACTIVATION_DTYPES)
+    s = spec.pipeline_stages
+    if s == 1:
+        return
+    if spec.agents % s:
+        raise SpecError(f"field 'agents'={spec.agents} must be a multiple of pipeline_stages={s} "
+                        "(S stages x D replicas of each)")  # fmt: skip
+    if spec.micro_batches > spec.batch_size:
+        raise SpecError(f"field 'micro_batches'={spec.micro_batches} exceeds batch_size="
+                        f"{spec.batch_size}: a micro-batch needs at least one row")  # fmt: skip
+    plain = {"sync": "sync", "topology": "auto", "aggregation": "mean", "bucket_kb": 0,
+             "update_delay": 0, "sample": 1.0}  # fmt: skip
+    for name, want in plain.items():
+        if getattr(spec, name) != want and not (name == "topology" and spec.topology == "ring"):
+            raise SpecError(f"field 'pipeline_stages'={s} runs synchronous steps with mean "
+                            f"stage rings: it needs {name}={want!r}, not "
+                            f"{getattr(spec, name)!r}")  # fmt: skip

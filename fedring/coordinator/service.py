@@ -116,7 +116,7 @@ class Coordinator:
         self.start = time.perf_counter()
         saved = Checkpoint.load(self.opts.out) if self.opts.resume else None  # before the broker
         self.link = MqttLink(
-            self.cfg, topics.COORDINATOR, control_from=("*",), listen_hellos=True,
+            self.cfg, topics.COORDINATOR, control_from=("*",), listen_hellos=True, watch=True,
             counters=self.counters,
         ).connect()  # fmt: skip
         try:

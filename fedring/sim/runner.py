@@ -30,6 +30,7 @@ from fedring.engine.loop import LoopResult, run
 from fedring.engine.plan import Plan, prepare
 from fedring.engine.resync import Drift
 from fedring.engine.resync import summarise as summarise_drift
+from fedring.firmware_profiles.schema import Profile
 from fedring.training.datasets import Dataset
 from fedring.training.models import param_count, params_sha256
 from fedring.transport.inproc import InprocTransport
@@ -52,13 +53,20 @@ def simulate(
     spec: JobSpec,
     on_round: Callable[[int, dict[str, Any]], None] | None = None,
     on_done: Callable[[torch.nn.Module, Dataset], None] | None = None,
+    fleet: list[Profile] | None = None,
     perturb: Perturb | None = None,
 ) -> dict[str, Any]:
     """Run the job; return a summary (see `summarise`) with per-round rows.
 
     `on_done` receives agent 0's trained model and the dataset (e.g. to export ONNX).
+    With ``pipeline_stages`` > 1 the agents form an S x D grid (`sim.pipeline`), whose
+    stages fit the budgets of the `fleet`'s boards (one profile per agent).
     `perturb` stands in for members on other CPU architectures (tests of the re-sync).
     """
+    if spec.pipeline_stages > 1:
+        from fedring.sim.pipeline import simulate_pipeline
+
+        return simulate_pipeline(spec, on_round, on_done, fleet)
     if spec.sync == "async":
         from fedring.sim.async_star import simulate_async
 

@@ -5,7 +5,9 @@ One `MqttLink` is one connection for one identity (an agent id or
 last-will that marks it ``lost`` (both name its job when it was given one:
 `peers_in` finds a job's agents, which is how `fedring.connect` rendezvouses),
 subscribes to its own inboxes and to everyone's presence, reconnects with
-exponential backoff plus jitter, and keeps a bounded outgoing queue (QoS 1;
+exponential backoff plus jitter, beats on ``agents/{id}/beat`` (a *watching* link, the
+coordinator's, takes a peer whose beats stop for lost: a hung board), and keeps a
+bounded outgoing queue (QoS 1;
 MQTT 3.1.1 by default, 5 on request, see `BrokerConfig`; the session survives
 reconnects and broker restarts, so queued frames are not lost).
 
@@ -25,8 +27,8 @@ The sender of an inbox message is the topic's last level, which the broker's ACL
 binds to the client's user name (see `topics`); QoS 1 may deliver twice, so
 `PeerChannel` de-duplicates by (src, seq).
 
-Why one module of about 470 lines: paho's callbacks, presence, reconnection and
-the bounded send queue share one client and one lock; splitting them would spread
+Why one module of about 780 lines: paho's callbacks, presence, heartbeats,
+reconnection and the bounded send queue share one client and one lock; splitting them would spread
 that locking across files.
 """
 
@@ -67,6 +69,12 @@ from fedring.transport.base import (
 log = logging.getLogger(__name__)
 
 _MAX_STATUS_BYTES = 1024
+# Every link beats BEATS_PER_KEEPALIVE times a keep-alive; a watcher takes a peer that
+# has beaten for lost after SILENT_AFTER keep-alives without one. The broker's own check
+# (1.5 keep-alives, run only every 5 s by Mosquitto 2.0) would see a hung board late.
+BEATS_PER_KEEPALIVE = 3
+SILENT_AFTER = 1.25
+_WATCH_TICK_S = 0.25
 
 
 class BrokerUnreachable(TransportError):
@@ -116,6 +124,7 @@ class BrokerConfig:
     key: str | None = None  # client key (TLS, optional)
     # Seconds. The broker declares a silent client lost once 1.5x this has passed, but
     # Mosquitto 2.0 runs that check only every 5 s: loss is seen 1.5x + up to 5 s late.
+    # Watchers use heartbeats instead (SILENT_AFTER).
     keepalive: int = 5
     # 3.1.1 by default: Mosquitto 2.0.11 restores MQTT 5 sessions after a restart
     # without their queued messages (measured: 862 of 2,075 frames lost; 0 with
@@ -135,6 +144,7 @@ class BrokerConfig:
     max_inbox_bytes: int = 128 * 2**20  # payload bytes held in each incoming queue
     max_inbox_items: int = 10_000  # items held in each incoming queue
     connect_timeout_s: float = 15.0
+    heartbeat: bool = True  # beat on agents/{id}/beat (QoS 0): watchers see a hung board
 
     @classmethod
     def parse(cls, url: str, **options: Any) -> BrokerConfig:
@@ -227,6 +237,7 @@ class MqttLink:
         listen_hellos: bool = False,
         counters: Counters | None = None,
         job: str | None = None,  # announced in our presence (see `peers_in`)
+        watch: bool = False,  # take a peer whose heartbeats stop for lost (the coordinator)
     ) -> None:
         self.cfg = cfg
         self.me = topics.check_id("id", me)
@@ -256,6 +267,12 @@ class MqttLink:
         self._client: mqtt.Client | None = None
         self._v5 = cfg.protocol != "3.1.1"
         self._probe_seen: queue.Queue[bytes] = queue.Queue()
+        self._watch = watch
+        # peer -> (session, its last beat, its silence limit: SILENT_AFTER x its keep-alive)
+        self._beats: dict[str, tuple[str, float, float]] = {}
+        self._silent: dict[str, str] = {}  # peer -> session taken for lost by its silence
+        self._beater: threading.Thread | None = None
+        self._stop_beats = threading.Event()
 
     # -- connection -----------------------------------------------------------
 
@@ -381,6 +398,11 @@ class MqttLink:
         subs = [topics.my_inboxes(self.me), f"{topics.ROOT}/agents/+/status", topics.probe(self.me)]
         if self._listen_hellos:
             subs += [f"{topics.ROOT}/agents/+/hello", f"{topics.ROOT}/jobs/+/metrics/+"]
+        if self._watch:
+            subs.append(f"{topics.ROOT}/agents/+/beat")
+            now = time.monotonic()  # beats sent while we were away never reached us
+            with self._lock:
+                self._beats = {who: (s, now, lim) for who, (s, _t, lim) in self._beats.items()}
         client.subscribe([(t, 1) for t in subs])
         client.publish(topics.status(self.me), self._status("online"), qos=1, retain=True)
         if self._connack is not None and self._connack[0]:
@@ -390,6 +412,10 @@ class MqttLink:
         self._connack = (True, "")
         self._connected.set()
         self._connack_ready.set()
+        if self.cfg.heartbeat and self._beater is None:
+            self._beater = threading.Thread(target=self._beat_loop, daemon=True,
+                                            name=f"beat-{self.me}")  # fmt: skip
+            self._beater.start()
 
     def _on_disconnect(self, _c: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
         self._connected.clear()
@@ -440,6 +466,8 @@ class MqttLink:
                 self._offer(self.control, Control("hello", who, payload), topic)
             elif leaf == "probe" and who == self.me:
                 self._probe_seen.put(payload)
+            elif leaf == "beat" and self._watch:
+                self._on_beat(who, payload)
             return
         parts = topic.split("/")
         if len(parts) == 6 and parts[4] == "metrics":
@@ -475,6 +503,7 @@ class MqttLink:
         with self._lock:
             known = self._presence.online.get(who)
             self._presence.pending_lost.pop(who, None)
+            self._silent.pop(who, None)
             if state == "online":
                 if known != session:
                     if known is not None:  # restarted without us seeing it go
@@ -510,6 +539,59 @@ class MqttLink:
             del self._presence.pending_lost[who]
             self._presence.online.pop(who, None)
         self._emit(who, [MembershipEvent("lost", who)])
+
+    # -- heartbeats -----------------------------------------------------------
+
+    def _beat_loop(self) -> None:
+        """Beat every keepalive / BEATS_PER_KEEPALIVE s; a watcher also checks silences."""
+        period = self.cfg.keepalive / BEATS_PER_KEEPALIVE
+        due = 0.0
+        while not self._stop_beats.wait(_WATCH_TICK_S if self._watch else period):
+            now = time.monotonic()
+            client = self._client
+            if now >= due and client is not None and self._connected.is_set():
+                beat = f"{self.session} {self.cfg.keepalive}".encode()
+                client.publish(topics.beat(self.me), beat, qos=0)
+                due = now + period
+            if self._watch:
+                self._check_silences(now)
+
+    def _on_beat(self, who: str, payload: bytes) -> None:
+        """A beat is ``SESSION KEEPALIVE``: the peer's own keep-alive sets its limit."""
+        session, _, keepalive = payload[:64].decode("ascii", "replace").partition(" ")
+        try:
+            limit = SILENT_AFTER * float(keepalive)
+        except ValueError:
+            limit = 0.0
+        if who == self.me or not 0 < limit < 1e6:
+            self.counters.add("bad_beat")
+            return
+        events: list[MembershipEvent] = []
+        with self._lock:
+            self._beats[who] = (session, time.monotonic(), limit)
+            if self._silent.get(who) == session and who not in self._presence.online:
+                del self._silent[who]  # it was hung, not dead: it is back as it was
+                self._presence.online[who] = session
+                events.append(MembershipEvent("joined", who))
+        self._emit(who, events)
+
+    def _check_silences(self, now: float) -> None:
+        """A peer that has beaten and then stayed silent for SILENT_AFTER keep-alives is
+        lost (while we ourselves are connected: our own outage silences everyone)."""
+        if not self._connected.is_set():
+            return
+        silent: list[tuple[str, float]] = []
+        with self._lock:
+            for who, (session, last, limit) in self._beats.items():
+                if now - last > limit and self._presence.online.get(who) == session:
+                    del self._presence.online[who]
+                    self._silent[who] = session
+                    silent.append((who, now - last))
+        for who, quiet in silent:
+            self.counters.add("peer_silent")
+            log.warning("%s: no heartbeat from %s for %.1f s; taking it for lost",
+                        self.me, who, quiet)  # fmt: skip
+            self._emit(who, [MembershipEvent("lost", who)])
 
     def _emit(self, who: str, events: list[MembershipEvent]) -> None:
         for event in events:
@@ -607,12 +689,42 @@ class MqttLink:
         except (RuntimeError, ValueError):
             pass
         self._closed = True
-        self._client.disconnect()
+        self._stop_beats.set()
+        props = None
+        if self._v5:  # the broker forgets our session with this goodbye
+            props = Properties(PacketTypes.DISCONNECT)
+            props.SessionExpiryInterval = 0
+        self._client.disconnect(properties=props)
         self._client.loop_stop()
+        if not self._v5:
+            self._forget_session()
+
+    def _forget_session(self) -> None:
+        """MQTT 3.1.1 keeps a persistent session (and queues what its subscriptions match)
+        until a clean-session connect with our id: make one, so that a clean goodbye
+        leaves nothing behind (a crashed link's session is left to the broker's
+        ``persistent_client_expiration``)."""
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fedring-{self.me}",
+                             protocol=mqtt.MQTTv311, clean_session=True)  # fmt: skip
+        if self.cfg.username is not None:
+            client.username_pw_set(self.cfg.username, self.cfg.password)
+        answered = threading.Event()
+        client.on_connect = lambda *_args: answered.set()
+        try:
+            if self.cfg.tls:
+                self._tls_set(client)
+            client.connect(self.cfg.host, self.cfg.port, keepalive=self.cfg.keepalive)
+            client.loop_start()
+            if answered.wait(2.0):
+                client.disconnect()
+            client.loop_stop()
+        except (OSError, TransportError, ValueError) as exc:  # gone already: the expiry's job
+            log.info("%s: could not clear its broker session (%s)", self.me, exc)
 
     def kill(self) -> None:
         """Drop the connection without a goodbye (tests): the broker sends our will."""
         self._closed = True
+        self._stop_beats.set()
         if self._client is not None:
             self._client.loop_stop()
             sock = self._client.socket()

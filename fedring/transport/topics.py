@@ -45,6 +45,11 @@ def hello(agent: str) -> str:
     return f"{ROOT}/agents/{agent}/hello"
 
 
+def beat(agent: str) -> str:
+    """A link's heartbeat (QoS 0, not retained): how a watcher sees a hung board."""
+    return f"{ROOT}/agents/{agent}/beat"
+
+
 def probe(agent: str) -> str:
     return f"{ROOT}/agents/{agent}/probe"
 

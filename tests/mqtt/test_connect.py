@@ -137,8 +137,9 @@ def test_two_jobs_on_one_broker_form_their_own_groups(url: str) -> None:
 
 
 def test_frames_queued_from_an_earlier_run_of_the_job_are_refused(url: str) -> None:
-    """The broker keeps s-1's session: what s-2 sent while s-1 was away arrives when s-1
-    is back. Those frames carry the old run's tag, so the new run refuses them."""
+    """s-1 crashes (no goodbye), so the broker keeps its session: what s-2 sent while s-1
+    was away arrives when s-1 is back. Those frames carry the old run's tag, so the new
+    run refuses them. (A clean goodbye clears the session: test_security.py.)"""
 
     def run(vec: dict[str, torch.Tensor], replay: bool) -> dict[str, Any]:
         groups = on_threads({n: partial(join, url, "again", n, 2) for n in vec})
@@ -152,7 +153,7 @@ def test_frames_queued_from_an_earlier_run_of_the_job_are_refused(url: str) -> N
 
         link.send_to = recording
         sums = on_threads({n: partial(groups[n].collective.allreduce_dense, vec[n]) for n in vec})
-        groups["s-1"].close()
+        groups["s-1"].link.kill()
         if replay:  # as if s-2 had sent them after s-1 went away: the broker queues them
             for job, dst, data, _ in sent:
                 send_to(job, dst, data, Deadline.after(5))

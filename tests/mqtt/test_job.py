@@ -164,6 +164,29 @@ def test_kill_9_an_agent_then_it_rejoins(broker: Mosquitto, fleet: Fleet, tmp_pa
     assert summary["final_accuracy"] >= 0.95
 
 
+def test_a_hung_agent_is_lost_within_1_5_keepalives_and_the_job_finishes(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    """SIGSTOP: the broker alone would see it after 1.5 keep-alives plus up to 5 s; the
+    coordinator watches the agents' heartbeats. SIGCONT: the same agent comes back."""
+    job = job_file(tmp_path, rounds=300, target=0.0)
+    proc, out = _started(broker, job, tmp_path, 30)
+    stopped_at = time.time()
+    fleet.procs["a1"].send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: checkpoint_round(out) >= 60, 90, "round 60 without a1")
+    finally:
+        fleet.procs["a1"].send_signal(signal.SIGCONT)
+    summary = finish(proc)
+    lost = [e for e in summary["events"] if e["why"] == "a1 lost"]
+    assert lost, summary["events"]
+    assert lost[0]["t"] - stopped_at <= 1.5 * 5  # 1.5 x keep-alive
+    assert summary["coordinator_counters"].get("peer_silent", 0) >= 1
+    assert "a1" in summary["members"] and summary["rounds"] == 300
+    assert summary["identical_models"]
+    _threads(summary)
+
+
 def test_coordinator_killed_and_resumed_loses_at_most_one_round(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:

@@ -3,6 +3,7 @@ the broker enforces who may do what, and who may be whom."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING or "mosquitto pres
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ACL = EXAMPLES / "mosquitto.acl"
-USERS = {"coordinator": "pw-c", "a1": "pw-1", "a2": "pw-2", "mallory": "pw-m"}
+USERS = {"coordinator": "pw-c", "a1": "pw-1", "a2": "pw-2", "a3": "pw-3", "a4": "pw-4",
+         "mallory": "pw-m"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +131,35 @@ def test_fedring_links_work_under_the_acl(secured: Mosquitto) -> None:
 def test_the_example_config_binds_client_ids_to_user_names() -> None:
     settings = [line.split("#")[0].split() for line in (EXAMPLES / "mosquitto.conf").open()]
     assert ["use_username_as_clientid", "true"] in settings  # what `secured` runs with
+
+
+def _session_present(port: int, client_id: str, username: str) -> bool:
+    """Whether the broker still holds a persistent session for `client_id`."""
+    flags: list[bool] = []
+    spy = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=False)
+    spy.username_pw_set(username, USERS[username])
+    spy.on_connect = lambda _c, _u, f, _rc, _p: flags.append(bool(f.session_present))
+    spy.connect("127.0.0.1", port)
+    spy.loop_start()
+    deadline = Deadline.after(5)
+    while not flags and not deadline.expired:
+        time.sleep(0.02)
+    spy.loop_stop()
+    spy.disconnect()  # leaves a session again: callers ask once
+    assert flags, "no CONNACK"
+    return flags[0]
+
+
+@pytest.mark.parametrize("protocol", ["3.1.1", "5"])
+def test_a_clean_goodbye_leaves_no_session_at_the_broker(secured: Mosquitto, protocol) -> None:  # type: ignore[no-untyped-def]
+    """A session left behind queues every status message its subscriptions match until
+    the broker's expiry; a crashed link's is left to `persistent_client_expiration`."""
+    MqttLink(dataclasses.replace(_cfg(secured, "a3"), protocol=protocol), "a3").connect().close()
+    assert not _session_present(secured.port, "fedring-a3", "a3")
+    killed = MqttLink(_cfg(secured, "a4"), "a4").connect()
+    killed.kill()
+    time.sleep(0.5)
+    assert _session_present(secured.port, "fedring-a4", "a4")  # the check can see one
 
 
 def test_no_user_can_take_over_an_agents_client_id(secured: Mosquitto) -> None:

@@ -218,7 +218,7 @@ def test_a_peer_reconnecting_after_a_broker_restart_is_not_lost(broker: Mosquitt
 HUNG = """
 import sys, time
 from fedring.transport.mqtt import BrokerConfig, MqttLink
-MqttLink(BrokerConfig.parse(sys.argv[1], keepalive=2), "hung").connect()
+MqttLink(BrokerConfig.parse(sys.argv[1], keepalive=int(sys.argv[2])), "hung").connect()
 print("up", flush=True)
 time.sleep(60)
 """
@@ -236,7 +236,7 @@ def test_a_hung_peer_is_lost_as_soon_as_the_broker_sends_its_will(broker: Mosqui
     spy.connect("127.0.0.1", broker.port)
     spy.subscribe("fedring/v1/agents/hung/status", qos=1)
     spy.loop_start()
-    hung = subprocess.Popen([sys.executable, "-c", HUNG, broker.url], stdout=subprocess.PIPE)
+    hung = subprocess.Popen([sys.executable, "-c", HUNG, broker.url, "2"], stdout=subprocess.PIPE)
     try:
         assert hung.stdout is not None and hung.stdout.readline() == b"up\n"
         _wait_peer(a, "hung")
@@ -256,3 +256,34 @@ def test_a_hung_peer_is_lost_as_soon_as_the_broker_sends_its_will(broker: Mosqui
         spy.loop_stop()
         spy.disconnect()
         a.close()
+
+
+def test_a_watcher_sees_a_hung_peer_within_1_5_keepalives_and_takes_it_back(
+    broker: Mosquitto,
+) -> None:
+    """SIGSTOP at keep-alive 4: the broker alone calls it lost after 6 s plus up to 5 s
+    (its check's period); a watching link (the coordinator) after 5 s of missed
+    heartbeats. SIGCONT before the broker drops it: the same session is back."""
+    watcher = MqttLink(BrokerConfig.parse(broker.url, keepalive=4), "w", watch=True).connect()
+    hung = subprocess.Popen([sys.executable, "-c", HUNG, broker.url, "4"], stdout=subprocess.PIPE)
+    try:
+        assert hung.stdout is not None and hung.stdout.readline() == b"up\n"
+        _wait_peer(watcher, "hung")
+        assert _next(watcher) == MembershipEvent("joined", "hung")
+        time.sleep(2.0)  # its first beats have come in
+        stopped = time.monotonic()
+        hung.send_signal(signal.SIGSTOP)
+        while (item := _next(watcher, deadline=15)) != MembershipEvent("lost", "hung"):
+            assert item != MembershipEvent("joined", "hung"), item
+        seen = time.monotonic() - stopped
+        assert 1.25 * 4 - 4 / 3 <= seen <= 1.5 * 4, seen
+        assert watcher.counters.get("peer_silent") == 1
+        assert "hung" not in watcher.peers()
+        hung.send_signal(signal.SIGCONT)
+        while (item := _next(watcher, deadline=5)) != MembershipEvent("joined", "hung"):
+            assert item != MembershipEvent("lost", "hung"), item
+        assert "hung" in watcher.peers()
+    finally:
+        hung.kill()
+        hung.wait(5)
+        watcher.close()
