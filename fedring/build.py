@@ -26,6 +26,7 @@ from fedring.engine.participation import per_round
 from fedring.engine.plan import Plan
 from fedring.engine.plan import plan as plan_task
 from fedring.engine.reducer import Collective, Reducer, ReducerSettings
+from fedring.engine.resync import ResyncSettings, resync_every
 from fedring.engine.sampler import ShardSampler
 from fedring.engine.state import TrainerState
 from fedring.engine.task import ClassificationTask, Task, load_task
@@ -139,11 +140,14 @@ def sync_settings(spec: JobSpec) -> SyncSettings:
     )
 
 
-def loop_settings(spec: JobSpec) -> LoopSettings:
+def loop_settings(spec: JobSpec, *, mixed: bool = False) -> LoopSettings:
+    """The round loop's settings; `mixed`: the members run on more than one CPU
+    architecture (re-sync under ``resync = "mixed"``)."""
     return LoopSettings(
         rounds=spec.rounds, eval_every=spec.eval_every, target=spec.target_accuracy,
         adaptive=spec.sync == "adaptive",
         stop_at_target=Aggregation.parse(spec.aggregation).kind != "hybrid",
+        resync=ResyncSettings(resync_every(spec.resync, spec.resync_every, mixed)),
     )  # fmt: skip
 
 

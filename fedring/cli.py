@@ -31,6 +31,7 @@ from rich.table import Table
 from fedring import __version__, cli_export, cli_mqtt, cli_profile
 from fedring.cli_flower import flower_app
 from fedring.cli_lab import bench_lab_cmd, lab_app
+from fedring.extras import explain
 
 app = typer.Typer(
     rich_markup_mode="markdown",  # not "rich": NAME[/LINK] and [defaults] stay literal
@@ -436,4 +437,10 @@ def main() -> None:
         app()
     except ValueError as exc:  # input our own checks refused
         err.print(f"[red]error: {escape(str(exc))}[/red]")
+        sys.exit(2)
+    except ImportError as exc:  # a lean install: say which extra the command needs
+        why = explain(exc)
+        if why is None:
+            raise
+        err.print(f"[red]error: {escape(why)}[/red]")
         sys.exit(2)

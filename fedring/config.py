@@ -28,6 +28,7 @@ TOPOLOGIES = ("auto", "ring", "torus", "star")
 LR_SCALINGS = ("linear", "sqrt", "none")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 INITS = ("sent", "derived")
+RESYNCS = ("mixed", "always", "never")  # as `engine.resync.RESYNC_POLICIES`
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # fedring.pipeline.schedule.SCHEDULES
 ACTIVATION_DTYPES = ("fp32", "fp16")
 TASK_REF = re.compile(r"[A-Za-z_][\w.-]*(:[A-Za-z_]\w*)?")
@@ -96,6 +97,14 @@ class JobSpec:
     # checked; works across architectures) or "derived" (each rebuilds it from the
     # seed and compares hashes; only where every board's torch draws the same bits).
     init: str = "sent"
+    # Boards of different CPU architectures (x86_64, aarch64) round some float ops
+    # differently, so their parameters drift apart in the last bits. "mixed": when the
+    # fleet mixes architectures, the ring's head sends its parameters to every member
+    # every `resync_every` rounds and at the end (hashes compared per architecture
+    # between, fleet-wide at a re-sync; the summary reports the drift); "always" does
+    # that in any fleet; "never" never (docs/fleet.md).
+    resync: str = "mixed"
+    resync_every: int = 50
     timeout_s: float = 60.0  # deadline of every ring step
     # Over MQTT the ring's head uploads its dense parameters for the coordinator's
     # checkpoint every this many rounds (and at the end); `--resume` and a re-formed
@@ -127,6 +136,7 @@ class JobSpec:
         _check_choice(self, "sync", SYNC_MODES)
         _check_choice(self, "lr_scaling", LR_SCALINGS)
         _check_choice(self, "init", INITS)
+        _check_choice(self, "resync", RESYNCS)
         if self.task and not TASK_REF.fullmatch(self.task):
             raise SpecError(
                 f"field 'task'={self.task!r} must be an entry-point name or MODULE:ATTR"
@@ -150,6 +160,7 @@ class JobSpec:
         _check_float(self, "target_accuracy", 0.0, 1.0)
         _check_float(self, "timeout_s", 0.01, 3600.0)
         _check_int(self, "checkpoint_every", 1, 10**6)
+        _check_int(self, "resync_every", 1, 10**6)
         _check_int(self, "bucket_kb", 0, 10**6)
         _check_int(self, "update_delay", 0, 1)
         _check_int(self, "degrade_after", 0, 1000)

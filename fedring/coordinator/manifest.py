@@ -21,10 +21,11 @@ from fedring.training.sharding import ShardManifest
 
 def segment_docs(
     ck: Checkpoint, members: list[str], epoch: int, start: int, frame_bytes: int,
-    mode: str = "ring",
+    mode: str = "ring", mixed: bool = False,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Each member's manifest for the segment of `members` from round `start`; `mode`
-    "async" sends the deltas through the coordinator (an async job or a degraded ring)."""
+    "async" sends the deltas through the coordinator (an async job or a degraded ring);
+    `mixed`: the members run on more than one CPU architecture (`engine.resync`)."""
     table = ShardManifest.from_dict(ck.shard_manifest)
     topology, world = str(ck.spec.get("topology", "auto")), len(members)
     weights = [1.0 / world] * world  # each member's share of the mean
@@ -43,7 +44,7 @@ def segment_docs(
             "shard_entry": table.entry(ck.shards[agent]).to_dict(),
             "model_sha256": ck.model_sha256, "start_round": start,
             "params_sha256": ck.params_sha256, "max_frame_bytes": frame_bytes,
-            "task": ck.task or None, "mode": mode,
+            "task": ck.task or None, "mode": mode, "mixed": mixed,
         }
         for rank, agent in enumerate(members)
     }  # fmt: skip

@@ -75,5 +75,14 @@ class Fleet:
         deadline = max((self.profile(a, "round_deadline_s") for a in members), default=0.0)
         return max(3 * step_timeout_s, 20 * self.round_estimate(members), deadline)
 
+    def machine(self, agent: str) -> str:
+        """The CPU architecture the agent announced (``platform.machine()``), "" unknown."""
+        value = self.hellos.get(agent, {}).get("machine", "")
+        return value if isinstance(value, str) else ""
+
+    def mixed(self, members: list[str]) -> bool:
+        """Whether `members` run on more than one CPU architecture (`engine.resync`)."""
+        return len({m for m in map(self.machine, members) if m}) > 1
+
     def probes(self, members: list[str]) -> dict[str, dict[str, float | None]]:
         return {a: {"step_s": self.step_s.get(a), "link_bps": self.link(a)} for a in members}

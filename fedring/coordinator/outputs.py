@@ -20,6 +20,7 @@ from typing import Any
 
 from fedring.config import JobSpec
 from fedring.counters import Counters
+from fedring.extras import MissingExtra, require
 from fedring.report import atomic_write, jsonl, write_report_for
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,13 @@ METRICS = "metrics.jsonl"
 
 def export(out: Path, counters: Counters) -> dict[str, Any]:
     """Export ``out/checkpoint.pt`` to ``out/model.onnx``; the report, or its error."""
+    try:  # a lean install has no onnx: the job still ends, with the reason in the summary
+        for module in ("onnx", "onnxruntime", "onnxscript"):
+            require(module, "the ONNX export")
+    except MissingExtra as exc:
+        counters.add("onnx_export_skipped")
+        log.warning("%s", exc)
+        return {"error": str(exc)}
     from fedring.coordinator.onnx_export import ExportError, export_from_checkpoint
 
     try:

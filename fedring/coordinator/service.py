@@ -43,9 +43,11 @@ from fedring.coordinator.centre import StarCentre
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.coordinator.degrade import Degrade
 from fedring.coordinator.manifest import segment_docs
-from fedring.coordinator.membership import Fleet
+from fedring.coordinator.membership import Fleet, number
 from fedring.counters import Counters
 from fedring.engine.plan import Plan
+from fedring.engine.resync import Drift
+from fedring.engine.resync import summarise as summarise_drift
 from fedring.training.models import flat_sha256, set_flat_params
 from fedring.training.sharding import ShardManifest
 from fedring.transport import topics
@@ -96,6 +98,8 @@ class Coordinator:
         self.fleet = Fleet()  # hellos and probes: ring order, frame size, patience
         self.ck: Checkpoint | None = None
         self.hashes: dict[int, dict[str, str]] = {}
+        self.resynced: set[int] = set()  # rounds that ended with the head's parameters
+        self.drifts: list[tuple[str, int, Drift]] = []  # each member's, before a re-sync
         self.epochs = 0
         self.last_row: dict[str, Any] = {}
         self.rows: dict[int, dict[str, Any]] = {}  # the head's metrics by round (a redo replaces)
@@ -302,7 +306,8 @@ class Coordinator:
         log.info("epoch %d: ring %s from round %d", ep.number, ep.members, ep.start)
         docs = segment_docs(ck, ep.members, ep.number, ep.start,
                             self.fleet.frame_bytes(ep.members),
-                            "async" if self.asynchronous else "ring")  # fmt: skip
+                            "async" if self.asynchronous else "ring",
+                            self.fleet.mixed(ep.members))  # fmt: skip
         for agent, doc in docs.items():
             self._send(agent, "manifest", doc, sign=False)
             if ck.params is not None:
@@ -396,23 +401,37 @@ class Coordinator:
         rnd = row.get("round")
         if type(rnd) is not int:
             return False
+        if row.get("resynced") is True:
+            self.resynced.add(rnd)
+            drift = Drift(number(row.get("drift_max_abs")), number(row.get("drift_l2")))
+            self.drifts.append((msg.src, rnd, drift))
         sha = row.get("sha256")
         if isinstance(sha, str):
             seen = self.hashes.setdefault(rnd, {})
             seen[msg.src] = sha
-            if len(set(seen.values())) > 1 and self.spec.sync == "sync":
+            if self.spec.sync == "sync" and not self._hashes_agree(rnd, seen):
                 self.counters.add("hash_mismatch")
                 log.error("round %d: model hashes disagree: %s", rnd, seen)
         if msg.src == ep.members[0]:
             if self.t0 is not None:
                 row = {**row, "wall_s": round(time.perf_counter() - self.t0, 4)}
             self.last_row = row
-            self.rows[rnd] = {k: v for k, v in row.items() if k != "sha256"}
+            self.rows[rnd] = {k: v for k, v in row.items() if k not in ("sha256", "machine")}
             outputs.append_row(self.opts.out, self.rows[rnd])  # a crash keeps the history
             if self.opts.on_round is not None:
                 self.opts.on_round(rnd - 1, row)
             return True
         return False
+
+    def _hashes_agree(self, rnd: int, seen: dict[str, str]) -> bool:
+        """Members' hashes of round `rnd`: equal across the fleet at a re-sync round,
+        equal within each CPU architecture between them (`engine.resync`)."""
+        if rnd in self.resynced:
+            return len(set(seen.values())) == 1
+        classes: dict[str, set[str]] = {}
+        for agent, sha in seen.items():
+            classes.setdefault(self.fleet.machine(agent), set()).add(sha)
+        return all(len(shas) == 1 for shas in classes.values())
 
     def _checkpoint(self, ep: _Epoch, msg: ControlMessage) -> None:
         assert self.ck is not None
@@ -492,6 +511,10 @@ class Coordinator:
             "reformations": self.epochs,
             "events": self.events,
             "agent_threads": {a: d.get("threads", 0) for a, d in ep.done.items()},
+            "machines": {a: self.fleet.machine(a) for a in ep.members},
+            "drift": summarise_drift(
+                self.drifts, self.spec.resync_every if self.drifts else 0
+            ),
             "probe": self.fleet.probes(ep.members),
             "round_estimate_s": self.fleet.round_estimate(ep.members),
             "wall_seconds": wall,

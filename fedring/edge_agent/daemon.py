@@ -18,6 +18,7 @@ training itself is in `worker`, the rounds in the engine.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import queue
 import threading
@@ -33,6 +34,7 @@ from fedring.collective.channel import CollectiveError, CollectiveTimeout
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
 from fedring.edge_agent.worker import Halted, JobRefused, JobWorker, Segment
+from fedring.firmware_profiles.apply import runtime_rss
 from fedring.firmware_profiles.schema import Profile
 from fedring.training.datasets import DatasetError
 from fedring.training.models import flat_bytes, flat_sha256
@@ -45,6 +47,10 @@ from fedring.wire.errors import FrameError, FrameReason
 
 log = logging.getLogger(__name__)
 SEND_S = 10.0
+# For tests and emulation only: the architecture this agent announces (default
+# `platform.machine()`), and noise of this size added to its parameters before
+# every round, a stand-in for another CPU's rounding (`engine.resync`).
+MACHINE_ENV, DRIFT_ENV = "FEDRING_MACHINE", "FEDRING_INJECT_DRIFT"
 
 
 @dataclass
@@ -104,6 +110,8 @@ class AgentDaemon:
         self.counters_at_job: dict[str, int] = {}
         self.awaiting: Segment | None = None  # manifest received, checkpoint model not yet
         self.jobs_done = 0
+        self.machine = os.environ.get(MACHINE_ENV) or platform.machine()
+        self.inject_drift = _env_float(DRIFT_ENV)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -134,7 +142,7 @@ class AgentDaemon:
         doc = {
             "id": self.me, "session": self.link.session, "profile": self.profile,
             "step_s": _step_time(), "link_bps": self.link.probe_bandwidth(),
-            "threads": self.threads,
+            "threads": self.threads, "machine": self.machine,
         }  # fmt: skip
         [frame] = self.codec.encode("hello", "-", topics.COORDINATOR, doc, sign=False)
         self.link.publish(topics.hello(self.me), frame, Deadline.after(SEND_S), retain=True)
@@ -180,6 +188,7 @@ class AgentDaemon:
                 params_sha256=str(doc.get("params_sha256", "")), head=str(doc["head"]),
                 max_frame_bytes=int(doc.get("max_frame_bytes", 0)),
                 asynchronous=doc.get("mode") == "async", weight=float(doc.get("weight", 0.0)),
+                mixed=doc.get("mixed") is True,
             )  # fmt: skip
             if seg.members[int(doc["rank"])] != self.me:
                 raise JobRefused(f"{self.me} is not rank {doc['rank']} of the ring: "
@@ -190,7 +199,9 @@ class AgentDaemon:
                     self.me, seg.job, spec, int(doc["shard"]), doc["shard_entry"],
                     str(doc["model_sha256"]), self.data_dir, self.budget,
                     task=doc.get("task"), allowed_modules=self.allowed_modules,
+                    runtime=runtime_rss,  # the budget counts the process as it is
                 )  # fmt: skip
+                self.worker.drift = self.inject_drift
                 assert self.link is not None
                 self.endpoint = self.link.endpoint(seg.job)
                 if self.centre is not None:
@@ -259,10 +270,11 @@ class AgentDaemon:
         def on_round(r: int, row: dict[str, Any]) -> None:
             if head and (r + 1) % every == 0:
                 upload(r + 1)
-            if self.me == seg.head or "accuracy" in row:
+            if self.me == seg.head or "accuracy" in row or "resynced" in row:
                 metrics = {k: v for k, v in row.items() if isinstance(v, int | float | str)}
-                if "accuracy" in row:
+                if "accuracy" in row or "resynced" in row:
                     metrics["sha256"] = flat_sha256(worker.params)
+                metrics["machine"] = self.machine
                 metrics["epoch"] = seg.epoch
                 [frame] = self.codec.encode("metrics", seg.job, topics.COORDINATOR, metrics)
                 link.publish(topics.metrics(seg.job, self.me), frame, Deadline.after(SEND_S))
@@ -331,6 +343,18 @@ class AgentDaemon:
         except TransportError as exc:
             self.counters.add("send_failed")
             log.warning("%s could not send %s to the coordinator: %s", self.me, kind, exc)
+
+
+def _env_float(name: str) -> float:
+    """A number from the environment (0 when unset); a bad one stops the agent, named."""
+    text = os.environ.get(name, "")
+    try:
+        value = float(text) if text else 0.0
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} must be a number") from None
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"environment variable {name}={text!r} must be in [0, 1)")
+    return value
 
 
 def _step_time(n: int = 3) -> float:

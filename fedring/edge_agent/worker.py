@@ -39,6 +39,7 @@ from fedring.engine.local import LocalWork
 from fedring.engine.loop import Member, run
 from fedring.engine.plan import ModelMismatch, prepare
 from fedring.engine.reducer import compress_update
+from fedring.engine.resync import nudge
 from fedring.engine.sampler import ShardSampler
 from fedring.engine.task import Task, TaskError, check_task
 from fedring.firmware_profiles.apply import check_budget, dataset_bytes, estimate_memory
@@ -87,6 +88,7 @@ class Segment:
     max_frame_bytes: int = 0  # the ring's frame size (the smallest member's); 0: the default
     asynchronous: bool = False  # through the coordinator: an async job, or a degraded ring
     weight: float = 0.0  # this member's share of the mean; 0: 1 / members
+    mixed: bool = False  # the members run on more than one CPU architecture (re-sync)
 
     @property
     def channel_job(self) -> str:
@@ -100,6 +102,7 @@ class JobWorker:
         self, me: str, job: str, spec: JobSpec, shard: int, manifest: dict[str, Any],
         model_sha256: str, data_dir: Path | None = None, budget: Profile | None = None, *,
         task: dict[str, Any] | None = None, allowed_modules: tuple[str, ...] = (),
+        runtime: Callable[[], int] | None = None,  # resident bytes now (0 / None: assumed)
     ) -> None:  # fmt: skip
         self.me, self.job, self.spec, self.shard = me, job, spec, shard
         try:  # only a task installed here, or from a module this agent allows
@@ -129,7 +132,10 @@ class JobWorker:
                                            spec.seed)  # fmt: skip
         if budget is not None:  # refuse before training, with the estimate and the budget
             data = dataset_bytes(dataset)
-            check_budget(budget, estimate_memory(spec, model, dataset.feature_shape, data))
+            # Measured now: the interpreter, torch, the dataset's packages and the data.
+            used = runtime() if runtime is not None else 0
+            check_budget(budget, estimate_memory(spec, model, dataset.feature_shape, data,
+                                                 used))  # fmt: skip
         self.model, self.x, self.y, self.dataset = model, x, y, dataset
         self.numel = param_count(model)
         self._param_names = [name for name, _ in model.named_parameters()]
@@ -139,6 +145,7 @@ class JobWorker:
         # an async job's local work and its deltas' compressor (with error feedback)
         self._async: tuple[LocalWork, Callable[[torch.Tensor], Payload]] | None = None
         self.step_s = probe_step(model, x, y, min(spec.batch_size, len(x)))
+        self.drift = 0.0  # tests: nudge the parameters by this much before each round
         # A derived start is held now; a sent one arrives as the round-0 "model".
         self.initial = flat_params(model) if spec.init == "derived" else None
 
@@ -250,6 +257,8 @@ class JobWorker:
                 gate(r)
             if halt.is_set():
                 raise Halted(f"{self.me}: halted before round {r}")
+            if self.drift:  # a test's stand-in for another architecture's rounding
+                nudge(self.model, self.drift, seed=r)
             self._keep(r)
 
         def after(r: int, row: dict[str, Any]) -> None:
@@ -257,7 +266,7 @@ class JobWorker:
             on_round(r, row)
 
         m.on_round, m.before_round, m.start_round = after, before, seg.start_round
-        result = run(m, build.loop_settings(spec))
+        result = run(m, build.loop_settings(spec, mixed=seg.mixed))
         last = result.evals[-1] if result.evals else {}
         return {
             "rounds": self.committed,

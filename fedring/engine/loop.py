@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from fedring.engine.lr import LinearScaling
+from fedring.engine.resync import ResyncSettings, resync
 from fedring.engine.state import TrainerState
 from fedring.training.monitor import Monitor
 
@@ -42,6 +43,9 @@ class LoopSettings:
     target: float = 0.0  # stop once the metric reaches it (0 = run all rounds)
     adaptive: bool = False  # local mode: adapt H from the loss trend (AdaComm)
     stop_at_target: bool = True  # off where members may disagree (hybrid)
+    # Mixed architectures: take the head's parameters every K rounds (`engine.resync`);
+    # the target then stops the job only at a re-sync round, where members agree.
+    resync: ResyncSettings = field(default_factory=ResyncSettings)
 
 
 @dataclass
@@ -93,6 +97,8 @@ def run(member: Member, settings: LoopSettings) -> LoopResult:
         if member.before_round is not None:
             member.before_round(r)
         row = _round(member, r)
+        if settings.resync.due(r, settings.rounds):
+            row.update(resync(opt, r).row(), resynced=True)
         result.rows.append(row)
         result.rounds_run = r + 1
         if (r + 1) % settings.eval_every == 0 or r + 1 == settings.rounds:
@@ -112,7 +118,8 @@ def run(member: Member, settings: LoopSettings) -> LoopResult:
                   "bytes_sent": row["bytes_sent"], "samples": _samples(state)}  # fmt: skip
             result.evals.append(ev)
             row.update(ev)
-            if settings.target and metric >= settings.target and settings.stop_at_target:
+            agreed = not settings.resync.every or row.get("resynced", False)
+            if settings.target and metric >= settings.target and settings.stop_at_target and agreed:
                 _report(member, r, row)
                 break
         _report(member, r, row)

@@ -6,9 +6,16 @@ would hold on the board and `check_budget` refuses a job that would not fit
 *before* anything is trained, with the estimate and the budget in the message
 (`fedring simulate --fleet rpi-zero-2w:4 --dataset synthetic:500:20000:10`)::
 
-    job needs ~278.3 MB on rpi-zero-2w but its budget is 115 MB (compute.ram_budget_mb):
-    2,569,034 parameters x 24 fp32 copies = 235.2 MB, activations 5.0 MB (batch 32),
-    data 38.2 MB
+    job needs ~498.3 MB on rpi-zero-2w but its budget is 115 MB (compute.ram_budget_mb)
+    + 220 MB for the runtime: 2,569,034 parameters x 24 fp32 copies = 235.2 MB,
+    activations 5.0 MB (batch 32), data 38.2 MB, runtime 220.0 MB (assumed)
+
+The runtime counts too: the agent process's resident memory when it checks the job
+(the interpreter, torch, fedring, the dataset's packages and the loaded dataset),
+measured by the agent (`runtime_rss`);
+where nothing is measured (the simulator's `--fleet`), the 220 MB that every
+profile's budget comment sets aside for it. A board whose runtime is heavier than
+that has less left for the job (docs/fleet.md has the measured figures).
 
 The copies counted per parameter (fp32) are those the code keeps: the weights,
 their ``.grad``, the flat gradient, the optimizer velocity, the reduced vector and
@@ -20,6 +27,7 @@ residual); and the agent's retry states (`RETRY_STATES` x the same three).
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +40,9 @@ from fedring.firmware_profiles.schema import Profile
 
 RETRY_STATES = 4  # edge_agent.worker.KEEP_SNAPSHOTS (a test keeps them equal)
 MB = 1 << 20
+# The torch runtime every profile's ram_budget_mb leaves out (see their comments):
+# a process may hold the budget plus this much; a measured runtime replaces it.
+RUNTIME_MB = 220
 
 
 class OverBudget(ValueError):
@@ -79,21 +90,38 @@ class MemoryEstimate:
     activations_bytes: int
     data_bytes: int
     batch_size: int
+    runtime_bytes: int = 0  # the process before the job, measured; 0: RUNTIME_MB assumed
 
     @property
     def params_bytes(self) -> int:
         return self.params * 4 * self.copies
 
     @property
+    def runtime(self) -> int:
+        return self.runtime_bytes or RUNTIME_MB * MB
+
+    @property
     def total_bytes(self) -> int:
-        return self.params_bytes + self.activations_bytes + self.data_bytes
+        return self.params_bytes + self.activations_bytes + self.data_bytes + self.runtime
 
     def describe(self) -> str:
+        how = "measured" if self.runtime_bytes else "assumed"
         return (
             f"{self.params:,} parameters x {self.copies} fp32 copies = "
             f"{self.params_bytes / MB:.1f} MB, activations {self.activations_bytes / MB:.1f} MB "
-            f"(batch {self.batch_size}), data {self.data_bytes / MB:.1f} MB"
+            f"(batch {self.batch_size}), data {self.data_bytes / MB:.1f} MB, "
+            f"runtime {self.runtime / MB:.1f} MB ({how})"
         )
+
+
+def runtime_rss() -> int:
+    """This process's resident bytes now (Linux ``/proc/self/statm``; 0 elsewhere).
+    An agent calls it when it checks a job, its dataset loaded, before training."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def copies_per_param(spec: JobSpec) -> int:
@@ -122,14 +150,17 @@ def activation_bytes(model: nn.Module, feature_shape: tuple[int, ...], batch: in
 
 
 def estimate_memory(
-    spec: JobSpec, model: nn.Module, feature_shape: tuple[int, ...], data_bytes: int
-) -> MemoryEstimate:
+    spec: JobSpec, model: nn.Module, feature_shape: tuple[int, ...], data_bytes: int,
+    runtime_bytes: int = 0,
+) -> MemoryEstimate:  # fmt: skip
+    """What the job would hold, plus the runtime (`runtime_rss` at start-up; 0: assumed)."""
     return MemoryEstimate(
         params=sum(p.numel() for p in model.parameters()),
         copies=copies_per_param(spec),
         activations_bytes=activation_bytes(model, feature_shape, spec.batch_size),
         data_bytes=data_bytes,
         batch_size=spec.batch_size,
+        runtime_bytes=runtime_bytes,
     )
 
 
@@ -149,12 +180,14 @@ def dataset_bytes(ds: Any) -> int:
 
 
 def check_budget(profile: Profile, estimate: MemoryEstimate) -> None:
-    """Refuse (OverBudget) a job whose estimate exceeds the profile's RAM budget."""
+    """Refuse (OverBudget) a job whose estimate, runtime included, exceeds the
+    profile's RAM budget plus the `RUNTIME_MB` it leaves out for the runtime."""
     need = estimate.total_bytes / MB
-    if need > profile.ram_budget_mb:
+    if need > profile.ram_budget_mb + RUNTIME_MB:
         raise OverBudget(
             f"job needs ~{need:.1f} MB on {profile.name} but its budget is "
-            f"{profile.ram_budget_mb} MB (compute.ram_budget_mb): {estimate.describe()}"
+            f"{profile.ram_budget_mb} MB (compute.ram_budget_mb) + {RUNTIME_MB} MB for the "
+            f"runtime: {estimate.describe()}"
         )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedring.config import JobSpec
+from fedring.extras import MissingExtra, require
 from fedring.report.files import atomic_write
 
 if TYPE_CHECKING:
@@ -59,10 +60,14 @@ def write_report(
         Figures for the table (`FACTS`); missing ones show as "-".
     notes : lines added under the title (e.g. the ONNX export's result).
     """
-    from fedring.report.plots import plot_runs  # matplotlib: only when a report is drawn
-
     out.mkdir(parents=True, exist_ok=True)
-    plots = plot_runs(out, runs)
+    try:  # matplotlib: only when a report is drawn, and a lean install goes without
+        require("matplotlib", "report.md's plots")
+        from fedring.report.plots import plot_runs
+
+        plots = plot_runs(out, runs)
+    except MissingExtra as exc:
+        plots, notes = {}, [*notes, f"no plots: {exc}"]
     lines = [f"# {title}", ""]
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
     if summaries:

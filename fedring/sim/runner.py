@@ -28,12 +28,17 @@ from fedring.engine.centre import STAR, serve
 from fedring.engine.group import LOCAL_KEY, local_group
 from fedring.engine.loop import LoopResult, run
 from fedring.engine.plan import Plan, prepare
+from fedring.engine.resync import Drift
+from fedring.engine.resync import summarise as summarise_drift
 from fedring.firmware_profiles.schema import Profile
 from fedring.training.datasets import Dataset
 from fedring.training.models import param_count, params_sha256
 from fedring.transport.inproc import InprocTransport
 
 TIMES = ("compute_s", "comm_s", "step_s")  # a sync round's seconds, in every row
+# A test's stand-in for another CPU architecture: called with (rank, round, model)
+# before each round, it may nudge that member's parameters (`engine.resync`).
+Perturb = Callable[[int, int, torch.nn.Module], None]
 
 
 def prepare_model(spec: JobSpec, p: Plan, rank: int) -> tuple[Any, Any, Any]:
@@ -49,12 +54,14 @@ def simulate(
     on_round: Callable[[int, dict[str, Any]], None] | None = None,
     on_done: Callable[[torch.nn.Module, Dataset], None] | None = None,
     fleet: list[Profile] | None = None,
+    perturb: Perturb | None = None,
 ) -> dict[str, Any]:
     """Run the job; return a summary (see `summarise`) with per-round rows.
 
     `on_done` receives agent 0's trained model and the dataset (e.g. to export ONNX).
     With ``pipeline_stages`` > 1 the agents form an S x D grid (`sim.pipeline`), whose
     stages fit the budgets of the `fleet`'s boards (one profile per agent).
+    `perturb` stands in for members on other CPU architectures (tests of the re-sync).
     """
     if spec.pipeline_stages > 1:
         from fedring.sim.pipeline import simulate_pipeline
@@ -78,6 +85,9 @@ def simulate(
                      on_round=on_round if r == 0 else None)
         for r in range(spec.agents)
     ]
+    if perturb is not None:
+        for r, m in enumerate(members):
+            m.before_round = lambda rnd, r=r, model=m.state.model: perturb(r, rnd, model)
     loop = build.loop_settings(spec)
     numel = param_count(prepared[0][0])
 
@@ -129,6 +139,7 @@ def summarise(
     sent = [ch.endpoint.stats.bytes_sent for ch in channels]
     numel = param_count(models[0])
     rows = [_mean_row([res.rows[i] for res in results]) for i in range(results[0].rounds_run)]
+    drifts = _drifts(results)
     return {
         "final_accuracy": sum(final) / len(final) if final else 0.0,
         "rounds": results[0].rounds_run,
@@ -146,7 +157,16 @@ def summarise(
         "round_seconds": _mean_times(rows),
         "manifest": p.manifest.to_dict(),
         "model_sha256_initial": p.model_sha256,
+        "drift": summarise_drift(drifts, spec.resync_every if drifts else 0),
     }
+
+
+def _drifts(results: list[LoopResult]) -> list[tuple[str, int, Drift]]:
+    """Every member's drift from the head before each re-sync."""
+    return [
+        (f"agent-{rank}", row["round"], Drift(row["drift_max_abs"], row["drift_l2"]))
+        for rank, res in enumerate(results) for row in res.rows if row.get("resynced")
+    ]  # fmt: skip
 
 
 def _dense_equivalent(spec: JobSpec, numel: int, rounds: int) -> float:

@@ -20,9 +20,12 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+
+from fedring.extras import MissingExtra, require
 
 TEST_FRACTION = 0.2  # held-out share wherever the source has no split of its own
 SYNTHETIC_DEFAULTS = (20000, 64, 10)  # N samples, D features, C classes
@@ -114,16 +117,22 @@ def _build(name: str, train: _Pair, test: _Pair, num_classes: int) -> Dataset:
     return Dataset(name, xs[0], ys[0], xs[1], ys[1], num_classes)
 
 
+def _extra(module: str, spec: str) -> Any:
+    """An optional dataset package, or a `DatasetError` naming the extra to install."""
+    try:
+        return require(module, f"dataset {spec!r}")
+    except MissingExtra as exc:
+        raise DatasetError(str(exc)) from None
+
+
 def _no_arg(spec: str, arg: str) -> None:
     if arg:
         raise DatasetError(f"dataset spec {spec!r} takes no arguments, got {arg!r}")
 
 
 def _load_digits(spec: str, arg: str, seed: int) -> Dataset:
-    from sklearn.datasets import load_digits  # bundled with scikit-learn, no download
-
     _no_arg(spec, arg)
-    bunch = load_digits()
+    bunch = _extra("sklearn.datasets", spec).load_digits()  # bundled, no download
     x = (bunch.images / 16.0).reshape(-1, 1, 8, 8)
     return _assemble(spec, x, bunch.target, seed, num_classes=10)
 
@@ -131,12 +140,12 @@ def _load_digits(spec: str, arg: str, seed: int) -> Dataset:
 @functools.lru_cache(maxsize=1)
 def _mnist1d_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Generate MNIST-1D once per process (~1.3 s), standardized by the train mean/std."""
-    import mnist1d.data  # never its get_dataset(): that downloads a pickle
+    data = _extra("mnist1d.data", "mnist1d")  # never its get_dataset(): it downloads
 
     # make_dataset reseeds the global `random` and `np.random` generators; restore them.
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
-        raw = mnist1d.data.make_dataset(mnist1d.data.get_dataset_args())
+        raw = data.make_dataset(data.get_dataset_args())
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)

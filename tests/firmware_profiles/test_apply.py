@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from importlib import resources
 from pathlib import Path
@@ -14,13 +15,16 @@ from fedring.config import JobSpec
 from fedring.edge_agent import worker
 from fedring.edge_agent.worker import JobWorker
 from fedring.firmware_profiles.apply import (
+    MB,
     RETRY_STATES,
+    RUNTIME_MB,
     OverBudget,
     activation_bytes,
     check_budget,
     copies_per_param,
     job_memory,
     resolve,
+    runtime_rss,
     settings_for,
 )
 from fedring.firmware_profiles.schema import ProfileError, load_builtin
@@ -96,3 +100,31 @@ def test_simulate_refuses_a_fleet_whose_board_is_too_small() -> None:
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert "budget is 115 MB" in result.output and "job needs ~" in result.output
+
+
+def test_the_runtime_is_measured_in_this_process() -> None:
+    rss = runtime_rss()  # torch is imported here: well above the interpreter alone
+    assert 100 * MB < rss < 8192 * MB
+
+
+def test_a_measured_runtime_counts_against_the_budget() -> None:
+    """The digits job fits a Zero 2 W with the 220 MB runtime its budget assumes; an
+    agent that measured a heavier runtime at start-up refuses it, saying so."""
+    estimate = job_memory(JobSpec(agents=2))
+    assert estimate.runtime == RUNTIME_MB * MB and "(assumed)" in estimate.describe()
+    check_budget(load_builtin("rpi-zero-2w"), estimate)
+    heavy = dataclasses.replace(estimate, runtime_bytes=(RUNTIME_MB + 120) * MB)
+    assert heavy.total_bytes == estimate.total_bytes + 120 * MB
+    with pytest.raises(OverBudget, match=r"runtime 340\.0 MB \(measured\)"):
+        check_budget(load_builtin("rpi-zero-2w"), heavy)
+    check_budget(load_builtin("rpi4-2gb"), heavy)
+
+
+def test_the_agent_worker_counts_its_measured_runtime() -> None:
+    small = JobSpec(agents=2)
+    p = plan(small)
+    args = ("a0", "job", small, 0, p.manifest.entry(0).to_dict(), p.model_sha256)
+    zero = load_builtin("rpi-zero-2w")
+    assert JobWorker(*args, budget=zero, runtime=lambda: 200 * MB).numel > 0
+    with pytest.raises(OverBudget, match="measured"):
+        JobWorker(*args, budget=zero, runtime=lambda: 400 * MB)

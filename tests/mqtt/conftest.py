@@ -80,9 +80,13 @@ def _env() -> dict[str, str]:
 class Fleet:
     """Agent daemons, one process each, logging to files under `logs`."""
 
-    def __init__(self, url: str, logs: Path, extra: dict[str, list[str]] | None = None) -> None:
+    def __init__(
+        self, url: str, logs: Path, extra: dict[str, list[str]] | None = None,
+        env: dict[str, dict[str, str]] | None = None,
+    ) -> None:  # fmt: skip
         self.url, self.logs = url, logs
         self.extra = extra or {}
+        self.env = env or {}  # an agent's extra environment variables
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         logs.mkdir(parents=True, exist_ok=True)
 
@@ -90,7 +94,8 @@ class Fleet:
         args = [sys.executable, "-m", "fedring", "-v", "agent", "--broker", self.url, "--id", agent]
         log = open(self.logs / f"{agent}.log", "ab")  # noqa: SIM115 - owned by the process
         self.procs[agent] = subprocess.Popen(
-            args + self.extra.get(agent, []), stdout=log, stderr=log, env=_env(),
+            args + self.extra.get(agent, []), stdout=log, stderr=log,
+            env={**_env(), **self.env.get(agent, {})},
             start_new_session=True,
         )  # fmt: skip
         log.close()
