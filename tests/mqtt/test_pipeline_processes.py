@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -97,8 +98,10 @@ def test_a_killed_stage_stops_its_neighbours_with_a_typed_error(
     try:
         errs = [tmp_path / f"stage{i}.err" for i in range(3)]
         wait_for(lambda: all("training" in e.read_text() for e in errs), 90, "3 stages training")
+        killed = time.monotonic()
         procs[1].send_signal(signal.SIGKILL)
         codes = [procs[i].wait(40) for i in (0, 2)]  # the deadline is 10 s: no hang
+        print(f"neighbours stopped {time.monotonic() - killed:.1f} s after the kill")
     finally:
         for p in procs:
             if p.poll() is None:
