@@ -36,6 +36,7 @@ from fedring.pipeline.partition import StagePlan
 from fedring.pipeline.schedule import Op, ops
 from fedring.pipeline.stage import LossFn, Stage, WireSettings
 from fedring.training.models import flat_grads, param_count, set_flat_grads
+from fedring.transport.base import Endpoint
 from fedring.transport.inproc import InprocTransport
 
 Batch = Callable[[], tuple[torch.Tensor, torch.Tensor]]
@@ -114,44 +115,62 @@ class GridWorker:
         self.bytes_after.append(stage.channel.endpoint.stats.bytes_sent)
 
 
+def build_worker(
+    module: nn.Module, plan: StagePlan, stage: int, replica: int, replicas: int,
+    settings: PipelineSettings, channel: PeerChannel, *, loss_fn: LossFn,
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    reducer_settings: ReducerSettings, next_batch: Batch,
+) -> GridWorker:  # fmt: skip
+    """Worker (`stage`, `replica`) of the grid, training `module` (that stage's layers,
+    its own copy) over `channel`: what one board, or one process, holds."""
+    count = len(plan.stages)
+    spec = plan.stages[stage]
+    s, d = stage, replica
+    own = Stage(s, count, module, channel, worker_name(s - 1, d) if s else None,
+                worker_name(s + 1, d) if s < count - 1 else None, spec.in_shape,
+                loss_fn if s == count - 1 else None, settings.wire)  # fmt: skip
+    numel = param_count(module)
+    reducer = None
+    if replicas > 1 and numel:
+        members = tuple(worker_name(s, r) for r in range(replicas))
+        ring = Group(channel, members, settings.topology, settings.wire.timeout_s)
+        reducer = Reducer(ring.collective, numel, reducer_settings)
+    return GridWorker(
+        own, d, replicas,
+        ops(settings.schedule, stages=count, micro_batches=settings.micro_batches, stage=s),
+        next_batch, make_optimizer(module) if numel else None, reducer, settings.micro_batches,
+    )  # fmt: skip
+
+
 def build_grid(
     layers: Sequence[nn.Module], plan: StagePlan, replicas: int, settings: PipelineSettings, *,
     loss_fn: LossFn, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
     reducer_settings: ReducerSettings, data: Callable[[int], Batch],
     hub: InprocTransport | None = None, counters: Counters | None = None, job: str = "pipeline",
+    connect: Callable[[str], Endpoint] | None = None,
 ) -> list[list[GridWorker]]:  # fmt: skip
     """Workers ``[stage][replica]``, each stage's replicas starting from the same copy
-    of its `layers`; `data(d)` gives replica d's batches (called once per worker)."""
-    hub = hub or InprocTransport()
+    of its `layers`; `data(d)` gives replica d's batches (called once per worker).
+
+    Each worker's endpoint is ``connect(worker_name(s, d))``: by default one on `hub`
+    (in-process); an MQTT link's endpoint carries the same frames through a broker."""
+    if connect is None:
+        connect = (hub or InprocTransport()).connect
     counters = counters or Counters()
     count = len(plan.stages)
-    channels = [[PeerChannel(hub.connect(worker_name(s, d)), job, key=LOCAL_KEY,
+    channels = [[PeerChannel(connect(worker_name(s, d)), job, key=LOCAL_KEY,
                              counters=counters) for d in range(replicas)]
                 for s in range(count)]  # fmt: skip
     grid = []
     for spec in plan.stages:
         s = spec.index
         module = nn.Sequential(*layers[spec.start : spec.end])
-        members = tuple(worker_name(s, d) for d in range(replicas))
-        row = []
-        for d in range(replicas):
-            own = copy.deepcopy(module)
-            ch = channels[s][d]
-            stage = Stage(s, count, own, ch, worker_name(s - 1, d) if s else None,
-                          worker_name(s + 1, d) if s < count - 1 else None, spec.in_shape,
-                          loss_fn if s == count - 1 else None, settings.wire)  # fmt: skip
-            numel = param_count(own)
-            reducer = None
-            if replicas > 1 and numel:
-                ring = Group(ch, members, settings.topology, settings.wire.timeout_s)
-                reducer = Reducer(ring.collective, numel, reducer_settings)
-            row.append(GridWorker(
-                stage, d, replicas,
-                ops(settings.schedule, stages=count, micro_batches=settings.micro_batches,
-                    stage=s),
-                data(d), make_optimizer(own) if numel else None, reducer, settings.micro_batches,
-            ))  # fmt: skip
-        grid.append(row)
+        grid.append([
+            build_worker(copy.deepcopy(module), plan, s, d, replicas, settings, channels[s][d],
+                         loss_fn=loss_fn, make_optimizer=make_optimizer,
+                         reducer_settings=reducer_settings, next_batch=data(d))
+            for d in range(replicas)
+        ])  # fmt: skip
     return grid
 
 
