@@ -78,12 +78,29 @@ class SparseReduction:
         self._acc_np, self._kept_np = self.acc.numpy(), self.kept.numpy()
         self.topk = GroupTopK(sparse.group_size, sparse.k, sparse.value_dtype)
         self.expect: type = SparseGroups if policy == "bounded" else GroupSparse
+        # Re-selecting groups that hold only this member's own payload keeps exactly
+        # its entries (at most k non-zeros a group, values the wire dtype holds exactly)
+        # and keeps nothing, so such a span is sent as the payload's rows: the same sums
+        # and `kept` bit for bit (entries of 0 may sit elsewhere; adding 0 changes
+        # nothing here, where no entry is -0). Only for what `GroupTopK` made (no
+        # repeated indices) with fp32, fp16 or bf16 values (int8 would rescale).
+        compressed = sparse.decoded is not None and sparse.wide_indices is not None
+        plain = sparse.scales is None and not sparse.sign
+        self._own = sparse if policy == "bounded" and compressed and plain else None
+        self._touched: list[tuple[int, int]] = []  # spans sent or absorbed into
+
+    def _fresh(self, span: tuple[int, int]) -> bool:
+        fresh = not any(a < span[1] and span[0] < b for a, b in self._touched)
+        self._touched.append(span)
+        return fresh
 
     def chunk(self, span: tuple[int, int]) -> Payload:
         """The payload for groups ``span`` of the accumulator."""
         src = self.acc
         if self.policy == "exact":
             return GroupSparse.from_dense(src, self.group_size, span)
+        if self._own is not None and self._fresh(span):
+            return self._own.rows(*span)
         sent = self.topk.compress(src, groups=span)
         a, b = span[0] * self.group_size, min(span[1] * self.group_size, src.numel())
         self._kept_np[a:b] += self._acc_np[a:b]  # float32 in numpy: add_'s bits, a third the cost
@@ -91,6 +108,8 @@ class SparseReduction:
         return sent
 
     def absorb(self, _: int, payload: Payload) -> None:
+        if self._own is not None:
+            self._touched.append(_span(payload))
         payload.add_to(self.acc)
 
     def repack(self, reduced: torch.Tensor, span: tuple[int, int], own: tuple[int, int]) -> Payload:

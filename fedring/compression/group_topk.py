@@ -192,6 +192,8 @@ def _compress_small(x: np.ndarray, g: int, k: int, g0: int, g1: int, fp16: bool)
         values = np.where(bad, values.dtype.type(0), values)
         decoded = np.where(bad, np.float32(0.0), decoded)
     idx_wire, _ = index_dtype(g)
-    indices = from_numpy(idx.astype(np.uint8 if idx_wire == "u1" else np.uint16), idx_wire)
+    narrow = idx.astype(np.uint8 if idx_wire == "u1" else np.uint16)
+    indices = from_numpy(narrow, idx_wire)
     return SparseGroups(numel, g, k, g0, indices, torch.from_numpy(values), None, False,
-                        decoded=torch.from_numpy(decoded), wide_indices=wide)  # fmt: skip
+                        decoded=torch.from_numpy(decoded), wide_indices=wide,
+                        host=(narrow, values, decoded))  # fmt: skip

@@ -105,6 +105,9 @@ class SparseGroups:
     # convert again: decode_values(values, scales), and the indices as int64.
     decoded: torch.Tensor | None = field(default=None, repr=False)
     wide_indices: torch.Tensor | None = field(default=None, repr=False)
+    # The same as numpy arrays (indices, values, decoded), from the small-range
+    # compressor and from the wire, for `add_to` and `to_wire` without conversions.
+    host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def n(self) -> int:
@@ -128,6 +131,23 @@ class SparseGroups:
         groups = torch.arange(self.group_start, self.group_start + self.n)
         return _positions(groups[:, None], self.indices, self.group_size).reshape(-1)
 
+    def rows(self, g0: int, g1: int) -> SparseGroups:
+        """The payload of groups ``[g0, g1)`` alone (views of this one's memory)."""
+        a, b = g0 - self.group_start, g1 - self.group_start
+        if not 0 <= a <= b <= self.n:
+            raise ValueError(f"groups [{g0}, {g1}) are not inside {self.group_start} + {self.n}")
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[a:b]
+
+        h = self.host
+        host = None if h is None else (h[0][a:b], h[1][a:b], h[2][a:b])
+        return SparseGroups(
+            self.numel, self.group_size, self.k, g0, self.indices[a:b], self.values[a:b],
+            cut(self.scales), self.sign, decoded=cut(self.decoded),
+            wide_indices=cut(self.wide_indices), host=host,
+        )  # fmt: skip
+
     def dense_values(self) -> torch.Tensor:
         return self._decoded().reshape(-1)
 
@@ -135,7 +155,9 @@ class SparseGroups:
         return self.decoded if self.decoded is not None else decode_values(self.values, self.scales)
 
     def _numpy_parts(self) -> tuple[np.ndarray, np.ndarray]:
-        """Int64 indices [n, k] and float32 decoded values [n, k] as numpy."""
+        """Indices [n, k] and float32 decoded values [n, k] as numpy."""
+        if self.host is not None:
+            return self.host[0], self.host[2]
         wide = self.wide_indices
         idx = wide.numpy() if wide is not None else to_numpy(self.indices)
         if self.decoded is not None:
@@ -186,9 +208,9 @@ class SparseGroups:
             meta["vdtype"] = "sign"
             values = np.packbits(to_numpy(self.values).reshape(-1) > 0)
         else:
-            values = to_numpy(self.values)
+            values = to_numpy(self.values) if self.host is None else self.host[1]
         arrays: WireArrays = [
-            ("idx", idx_wire, to_numpy(self.indices)),
+            ("idx", idx_wire, to_numpy(self.indices) if self.host is None else self.host[0]),
             ("val", WIRE_DTYPE[vdtype], values),
         ]
         if self.scales is not None:
@@ -231,6 +253,10 @@ class SparseGroups:
             )
         values = from_numpy(val, vdt)
         finite(values, "values")
+        if vdt in ("f4", "f2"):  # float32 decodes as itself, float16 exactly by astype
+            decoded = val if vdt == "f4" else val.astype(np.float32)
+            host = (idx, val, decoded)
+            return cls(numel, g, k, g0, indices, values, host=host)
         return cls(numel, g, k, g0, indices, values, scales, sign)
 
 
