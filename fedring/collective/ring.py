@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -43,6 +44,7 @@ from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import Payload, PayloadLimits
 from fedring.compression.quantize import DenseChunk
 from fedring.compression.sparse import GroupSparse, SparseGroups, n_groups
+from fedring.compression.values import ValueDtype
 from fedring.transport.base import Deadline
 from fedring.wire.errors import FrameError, FrameReason
 
@@ -58,6 +60,11 @@ def tagged(phase: str, bucket: int | None) -> str:
 def chunk_bounds(units: int, world: int) -> list[tuple[int, int]]:
     """Split ``range(units)`` into `world` contiguous, nearly equal ranges."""
     return [(i * units // world, (i + 1) * units // world) for i in range(world)]
+
+
+@lru_cache(maxsize=64)
+def _topk(group_size: int, k: int, value_dtype: ValueDtype) -> GroupTopK:
+    return GroupTopK(group_size, k, value_dtype)  # frozen: one per codec, not one per round
 
 
 class SparseReduction:
@@ -76,7 +83,7 @@ class SparseReduction:
         self.acc = sparse.decompress()
         self.kept = torch.zeros_like(self.acc)
         self._acc_np, self._kept_np = self.acc.numpy(), self.kept.numpy()
-        self.topk = GroupTopK(sparse.group_size, sparse.k, sparse.value_dtype)
+        self.topk = _topk(sparse.group_size, sparse.k, sparse.value_dtype)
         self.expect: type = SparseGroups if policy == "bounded" else GroupSparse
         # Re-selecting groups that hold only this member's own payload keeps exactly
         # its entries (at most k non-zeros a group, values the wire dtype holds exactly)

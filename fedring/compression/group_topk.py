@@ -183,12 +183,15 @@ def _compress_small(x: np.ndarray, g: int, k: int, g0: int, g1: int, fp16: bool)
     idx = wide.numpy()
     picked = rows[_row_ids(n), idx]
     if fp16:
-        values = np.clip(picked, -_FP16_MAX, _FP16_MAX).astype(np.float16)
+        # maximum and minimum: clamp's bits (NaN kept) without np.clip's Python wrapper
+        values = np.minimum(np.maximum(picked, -_FP16_MAX), _FP16_MAX).astype(np.float16)
         decoded = values.astype(np.float32)
     else:
         values = decoded = picked
-    bad = (picked - decoded) + decoded != picked
-    if bad.any():  # see values.exactify: these stay whole in the residual
+    # fp32 values are their own decoding: only Inf and NaN fail the check below
+    exact = not fp16 and bool(np.isfinite(picked).all())
+    bad = None if exact else (picked - decoded) + decoded != picked
+    if bad is not None and bad.any():  # see values.exactify: these stay whole in the residual
         values = np.where(bad, values.dtype.type(0), values)
         decoded = np.where(bad, np.float32(0.0), decoded)
     idx_wire, _ = index_dtype(g)

@@ -28,6 +28,7 @@ from fedring.compression.payload import (
     WireArrays,
     array,
     finite,
+    finite_array,
     meta_int,
     meta_range,
     no_extra,
@@ -251,12 +252,13 @@ class SparseGroups:
             raise PayloadError(
                 PayloadReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}"
             )
-        values = from_numpy(val, vdt)
-        finite(values, "values")
         if vdt in ("f4", "f2"):  # float32 decodes as itself, float16 exactly by astype
             decoded = val if vdt == "f4" else val.astype(np.float32)
-            host = (idx, val, decoded)
-            return cls(numel, g, k, g0, indices, values, host=host)
+            finite_array(decoded, "values")  # Inf and NaN survive the widening
+            values = from_numpy(val, vdt)
+            return cls(numel, g, k, g0, indices, values, host=(idx, val, decoded))
+        values = from_numpy(val, vdt)
+        finite(values, "values")
         return cls(numel, g, k, g0, indices, values, scales, sign)
 
 

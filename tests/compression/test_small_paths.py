@@ -87,13 +87,14 @@ def test_add_to_a_strided_output_takes_the_general_path() -> None:
 def test_numpy_compress_matches_the_torch_small_path(
     monkeypatch: pytest.MonkeyPatch, scale: float, dtype: str
 ) -> None:
-    # fp16 subnormals (below 6.1e-5), overflow (above 65504, clamped) and exactify's
-    # zeroed entries all have to round in numpy as they do in torch
+    # fp16 subnormals (below 6.1e-5), overflow (above 65504, clamped), -0.0 and
+    # exactify's zeroed entries all have to round in numpy as they do in torch
     rng = random.Random(int(scale * 1e9) % 9973)
     cases = []
     for _ in range(200):
         x, topk, groups = _case(rng)
-        cases.append((x * scale, GroupTopK(topk.group_size, topk.k, dtype), groups))  # type: ignore[arg-type]
+        x = x * (scale if rng.random() < 0.5 else -scale)  # -scale: zeros become -0.0
+        cases.append((x, GroupTopK(topk.group_size, topk.k, dtype), groups))  # type: ignore[arg-type]
     fast = [topk.compress(x, groups=groups) for x, topk, groups in cases]
     monkeypatch.setattr(group_topk, "numpy_view", lambda _: None)  # torch's _select_small
     for (x, topk, groups), got in zip(cases, fast, strict=True):
