@@ -92,7 +92,8 @@ class SparseReduction:
         # nothing here, where no entry is -0). Only for what `GroupTopK` made (no
         # repeated indices) with fp32, fp16 or bf16 values (int8 would rescale).
         compressed = sparse.decoded is not None and sparse.wide_indices is not None
-        plain = sparse.scales is None and not sparse.sign
+        whole = sparse.group_start == 0 and sparse.n == n_groups(sparse.numel, self.group_size)
+        plain = whole and sparse.scales is None and not sparse.sign
         self._own = sparse if policy == "bounded" and compressed and plain else None
         self._touched: list[tuple[int, int]] = []  # spans sent or absorbed into
 

@@ -249,3 +249,16 @@ def test_bounded_sends_untouched_own_rows_as_re_selection_would(
     for fast, ref in zip(runs[0].results, runs[1].results, strict=True):
         assert torch.equal(_bits(fast[0]), _bits(ref[0]))
         assert torch.equal(_bits(fast[1]), _bits(ref[1]))
+
+
+def test_bounded_re_selects_spans_a_partial_payload_does_not_cover() -> None:
+    # a payload of groups [2, n) only: its rows cannot stand in for the spans before 2
+    gen = torch.Generator().manual_seed(5)
+    topk = GroupTopK(16, 2, "fp16")
+    made = [topk.compress(torch.randn(200, generator=gen), groups=(2, 13)) for _ in range(3)]
+    plain = [replace(p, decoded=None, wide_indices=None, host=None) for p in made]
+    runs = [run_local_ring(3, lambda ring, ps=ps: ring.allreduce_sparse(ps[ring.rank]))
+            for ps in (made, plain)]  # fmt: skip
+    for fast, ref in zip(runs[0].results, runs[1].results, strict=True):
+        assert torch.equal(_bits(fast[0]), _bits(ref[0]))
+        assert torch.equal(_bits(fast[1]), _bits(ref[1]))
