@@ -145,6 +145,12 @@ def no_extra(arrays: Decoded, names: set[str]) -> None:
         raise PayloadError(PayloadReason.SHAPE_MISMATCH, f"unexpected array {sorted(extra)[0]!r}")
 
 
+def finite_array(a: np.ndarray, what: str) -> None:
+    """`finite` for a numpy float array."""
+    if not np.isfinite(a).all():
+        raise PayloadError(PayloadReason.NON_FINITE, f"{what} holds NaN or Inf")
+
+
 def finite(t: torch.Tensor, what: str) -> None:
     if t.dtype in (torch.float32, torch.float16):  # numpy: a third of torch's cost per call
         ok = bool(np.isfinite(t.numpy()).all())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, ClassVar
 
 import numpy as np
@@ -27,6 +28,7 @@ from fedring.compression.payload import (
     WireArrays,
     array,
     finite,
+    finite_array,
     meta_int,
     meta_range,
     no_extra,
@@ -60,6 +62,26 @@ def _positions(group_ids: torch.Tensor, local: torch.Tensor, group_size: int) ->
     return group_ids.to(torch.int64) * group_size + local.to(torch.int64)
 
 
+@lru_cache(maxsize=1024)
+def row_starts(group_start: int, n: int, group_size: int) -> np.ndarray:
+    """Flat start [n, 1] (int64) of groups ``[group_start, + n)``; built once per shape,
+    read-only, so a round's hops share it."""
+    starts = (np.arange(group_start, group_start + n, dtype=np.int64) * group_size)[:, None]
+    starts.flags.writeable = False
+    return starts
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray | None:
+    """`t`'s memory as numpy, when `t` is a plain contiguous CPU float32 tensor (None else).
+
+    The hot paths of small payloads run in numpy: one call costs about a third of a
+    torch call on tensors of a few hundred entries, and float32 arithmetic rounds the same.
+    """
+    if t.dtype != torch.float32 or t.requires_grad or not t.is_contiguous() or t.is_cuda:
+        return None
+    return t.numpy()
+
+
 def _scatter_add(out: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, alpha: float) -> None:
     keep = pos < out.numel()  # padding of the last group
     if not bool(keep.all()):
@@ -84,6 +106,9 @@ class SparseGroups:
     # convert again: decode_values(values, scales), and the indices as int64.
     decoded: torch.Tensor | None = field(default=None, repr=False)
     wide_indices: torch.Tensor | None = field(default=None, repr=False)
+    # The same as numpy arrays (indices, values, decoded), from the small-range
+    # compressor and from the wire, for `add_to` and `to_wire` without conversions.
+    host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def n(self) -> int:
@@ -107,39 +132,63 @@ class SparseGroups:
         groups = torch.arange(self.group_start, self.group_start + self.n)
         return _positions(groups[:, None], self.indices, self.group_size).reshape(-1)
 
+    def rows(self, g0: int, g1: int) -> SparseGroups:
+        """The payload of groups ``[g0, g1)`` alone (views of this one's memory)."""
+        a, b = g0 - self.group_start, g1 - self.group_start
+        if not 0 <= a <= b <= self.n:
+            raise ValueError(f"groups [{g0}, {g1}) are not inside {self.group_start} + {self.n}")
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[a:b]
+
+        h = self.host
+        host = None if h is None else (h[0][a:b], h[1][a:b], h[2][a:b])
+        return SparseGroups(
+            self.numel, self.group_size, self.k, g0, self.indices[a:b], self.values[a:b],
+            cut(self.scales), self.sign, decoded=cut(self.decoded),
+            wide_indices=cut(self.wide_indices), host=host,
+        )  # fmt: skip
+
     def dense_values(self) -> torch.Tensor:
         return self._decoded().reshape(-1)
 
     def _decoded(self) -> torch.Tensor:
         return self.decoded if self.decoded is not None else decode_values(self.values, self.scales)
 
+    def _numpy_parts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Indices [n, k] and float32 decoded values [n, k] as numpy."""
+        if self.host is not None:
+            return self.host[0], self.host[2]
+        wide = self.wide_indices
+        idx = wide.numpy() if wide is not None else to_numpy(self.indices)
+        if self.decoded is not None:
+            vals = self.decoded.numpy()
+        elif self.values.dtype == torch.float32:
+            vals = self.values.numpy()
+        elif self.values.dtype == torch.float16:
+            vals = self.values.numpy().astype(np.float32)  # exact, as .to(torch.float32)
+        else:
+            vals = decode_values(self.values, self.scales).numpy()
+        return idx, vals
+
     def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
-        # Rows of whole groups scatter into a [rows, G] view of `out`: no flat positions
-        # to build. Indices are distinct within a row, so every entry of `out` takes at
-        # most one addition and the bits equal `index_add_`'s; only the padded last
-        # group goes through `_scatter_add`.
-        g, n = self.group_size, self.n
-        if not out.is_contiguous():
+        # np.add.at adds in order, repeats included, as index_add_ does; float32 sums
+        # round the same, and `vals * alpha` is rounded to float32 first, as index_add_
+        # does with alpha. Outputs numpy cannot view take index_add_ itself.
+        o = numpy_view(out)
+        if o is None:
             _scatter_add(out, self.positions(), self.dense_values(), alpha)
             return
-        full = max(0, min(n, self.numel // g - self.group_start))
-        vals = self._decoded()
+        n, g = self.n, self.group_size
+        idx, vals = self._numpy_parts()
         if alpha != 1.0:
-            vals = vals * alpha  # rounded, then added: what index_add_ does with alpha
-        idx = self.wide_indices if self.wide_indices is not None else self.indices.to(torch.int64)
-        lo = self.group_start * g
-        if full == n:  # narrow, not slices: a third of the Python cost on small tensors
-            out.narrow(0, lo, n * g).view(n, g).scatter_add_(1, idx, vals)
-            return
-        if full:
-            out.narrow(0, lo, full * g).view(full, g).scatter_add_(1, idx[:full], vals[:full])
-        if full < n:  # the vector's last group, cut short: its padding is dropped
-            start = lo + full * g
-            i, v = idx[full], vals[full]
-            keep = i < self.numel - start
-            if not bool(keep.all()):
-                i, v = i[keep], v[keep]
-            out[start:].scatter_add_(0, i, v)
+            vals = vals * np.float32(alpha)
+        pos = row_starts(self.group_start, n, g) + idx
+        if (self.group_start + n) * g > self.numel:  # the padded last group: drop its padding
+            keep = pos < self.numel
+            if not keep.all():
+                pos, vals = pos[keep], vals[keep]
+        np.add.at(o, pos, vals)
 
     def decompress(self) -> torch.Tensor:
         out = torch.zeros(self.numel, dtype=torch.float32)
@@ -160,9 +209,9 @@ class SparseGroups:
             meta["vdtype"] = "sign"
             values = np.packbits(to_numpy(self.values).reshape(-1) > 0)
         else:
-            values = to_numpy(self.values)
+            values = to_numpy(self.values) if self.host is None else self.host[1]
         arrays: WireArrays = [
-            ("idx", idx_wire, to_numpy(self.indices)),
+            ("idx", idx_wire, to_numpy(self.indices) if self.host is None else self.host[0]),
             ("val", WIRE_DTYPE[vdtype], values),
         ]
         if self.scales is not None:
@@ -198,10 +247,16 @@ class SparseGroups:
             names.add("scale")
         no_extra(arrays, names)
         indices = from_numpy(idx, idx_wire)
-        if n and g < 65536 and int(idx.max()) >= g:
+        # uint8 indices cannot reach a group of 256 or more, nor uint16 one of 65536
+        if n and g < (256 if idx_wire == "u1" else 65536) and int(idx.max()) >= g:
             raise PayloadError(
                 PayloadReason.INDEX_OUT_OF_RANGE, f"index {int(idx.max())} >= group size {g}"
             )
+        if vdt in ("f4", "f2"):  # float32 decodes as itself, float16 exactly by astype
+            decoded = val if vdt == "f4" else val.astype(np.float32)
+            finite_array(decoded, "values")  # Inf and NaN survive the widening
+            values = from_numpy(val, vdt)
+            return cls(numel, g, k, g0, indices, values, host=(idx, val, decoded))
         values = from_numpy(val, vdt)
         finite(values, "values")
         return cls(numel, g, k, g0, indices, values, scales, sign)

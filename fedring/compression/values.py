@@ -27,6 +27,7 @@ WIRE_DTYPE = {"fp32": "f4", "fp16": "f2", "bf16": "bf16", "int8": "i1", "sign": 
 BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "sign": 0.125}
 # sign values live in memory as int8 +-1 (times a float32 scale per row).
 _TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+_NAMES: dict[torch.dtype, ValueDtype] = {dt: name for name, dt in _TORCH.items()}  # type: ignore[misc]
 _FP16_MAX = 65504.0
 _INT8_MAX = 127.0
 
@@ -107,7 +108,7 @@ def torch_dtype(name: ValueDtype) -> torch.dtype:
 
 def dtype_name(t: torch.Tensor) -> ValueDtype:
     """The value dtype of a tensor (int8 tensors read as int8, never sign)."""
-    for name, dt in _TORCH.items():
-        if t.dtype == dt:
-            return name  # type: ignore[return-value]
+    name = _NAMES.get(t.dtype)
+    if name is not None:
+        return name
     raise ValueError(f"tensor dtype {t.dtype} is not a value dtype")

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedring.collective import chunk_bounds, majority_vote, run_local_ring
+from fedring.collective.local import LocalRun
 from fedring.collective.torus import grid_dims, grid_rows, layout_name
 from fedring.compression import GroupTopK
+from fedring.compression.sparse import SparseGroups
 from tests.strategies import flat_vectors, value_dtypes
 
 worlds = st.integers(1, 8)
@@ -215,3 +218,47 @@ def test_a_3d_torus_sends_the_same_payload_in_fewer_frames_than_2d() -> None:
     assert three.payload_bytes == two.payload_bytes
     # (Conservation on 3-D grids is checked with the other layouts above.)
     assert _same_everywhere([out for out, _ in three.results])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)  # -0.0 and 0.0 told apart
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=layouts, g=group_sizes, dtype=st.sampled_from(["fp32", "fp16", "bf16"]),
+       data=st.data())  # fmt: skip
+def test_bounded_sends_untouched_own_rows_as_re_selection_would(
+    layout: Layout, g: int, dtype: str, data: st.DataObject
+) -> None:
+    # The shortcut (a span holding only the member's own payload goes out as its rows)
+    # against re-selecting every span, which a payload without the compressor's caches
+    # takes: the same sums and kept, bit for bit, signed zeros included.
+    world, dims = layout
+    xs = _inputs(data, world)
+    xs = [torch.where(x.abs() < 0.5, torch.zeros(()), x) * -1.0 for x in xs]  # zeros, -0.0
+    topk = GroupTopK(g, data.draw(st.integers(1, min(g, 4))), dtype)  # type: ignore[arg-type]
+    made = [topk.compress(x) for x in xs]
+    plain = [replace(p, decoded=None, wide_indices=None, host=None) for p in made]
+
+    def reduce(payloads: list[SparseGroups]) -> LocalRun[tuple[torch.Tensor, torch.Tensor]]:
+        return run_local_ring(
+            world, lambda ring: ring.allreduce_sparse(payloads[ring.rank]), grid_dims=dims
+        )
+
+    runs = [reduce(made), reduce(plain)]
+    for fast, ref in zip(runs[0].results, runs[1].results, strict=True):
+        assert torch.equal(_bits(fast[0]), _bits(ref[0]))
+        assert torch.equal(_bits(fast[1]), _bits(ref[1]))
+
+
+def test_bounded_re_selects_spans_a_partial_payload_does_not_cover() -> None:
+    # a payload of groups [2, n) only: its rows cannot stand in for the spans before 2
+    gen = torch.Generator().manual_seed(5)
+    topk = GroupTopK(16, 2, "fp16")
+    made = [topk.compress(torch.randn(200, generator=gen), groups=(2, 13)) for _ in range(3)]
+    plain = [replace(p, decoded=None, wide_indices=None, host=None) for p in made]
+    runs = [run_local_ring(3, lambda ring, ps=ps: ring.allreduce_sparse(ps[ring.rank]))
+            for ps in (made, plain)]  # fmt: skip
+    for fast, ref in zip(runs[0].results, runs[1].results, strict=True):
+        assert torch.equal(_bits(fast[0]), _bits(ref[0]))
+        assert torch.equal(_bits(fast[1]), _bits(ref[1]))

@@ -80,3 +80,47 @@ def test_add_to_a_strided_output_takes_the_general_path() -> None:
     wide = torch.zeros(12)
     p.add_to(wide[::2])
     assert wide[::2].tolist() == [0.0, -5.0, 0.0, 0.0, 3.0, 0.0]
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e-6, 6e-5, 1.0, 6e4, 1e6])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_numpy_compress_matches_the_torch_small_path(
+    monkeypatch: pytest.MonkeyPatch, scale: float, dtype: str
+) -> None:
+    # fp16 subnormals (below 6.1e-5), overflow (above 65504, clamped), -0.0 and
+    # exactify's zeroed entries all have to round in numpy as they do in torch
+    rng = random.Random(int(scale * 1e9) % 9973)
+    cases = []
+    for _ in range(200):
+        x, topk, groups = _case(rng)
+        x = x * (scale if rng.random() < 0.5 else -scale)  # -scale: zeros become -0.0
+        cases.append((x, GroupTopK(topk.group_size, topk.k, dtype), groups))  # type: ignore[arg-type]
+    fast = [topk.compress(x, groups=groups) for x, topk, groups in cases]
+    monkeypatch.setattr(group_topk, "numpy_view", lambda _: None)  # torch's _select_small
+    for (x, topk, groups), got in zip(cases, fast, strict=True):
+        ref = topk.compress(x, groups=groups)
+        assert _same(got.indices, ref.indices) and _same(got.values, ref.values)
+        assert got.decoded is not None and ref.decoded is not None
+        assert _same(got.decoded, ref.decoded) and _same(got.wide_indices, ref.wide_indices)
+        assert got.scales is None and ref.scales is None
+
+
+def test_add_to_repeated_indices_adds_each_as_index_add_does() -> None:
+    # a payload off the wire may repeat an index within a group; index_add_ adds both
+    idx = torch.tensor([[1, 1, 3], [0, 2, 2]], dtype=torch.uint8)
+    vals = torch.tensor([[0.1, 0.2, 0.3], [1e8, 1.0, -1e8]])
+    p = SparseGroups(7, 4, 3, 0, idx, vals)
+    for alpha in (1.0, -0.37):
+        base = torch.randn(7, generator=torch.Generator().manual_seed(3))
+        got, ref = base.clone(), base.clone()
+        p.add_to(got, alpha)
+        _reference_add(p, ref, alpha)
+        assert _same(got, ref)
+
+
+def test_add_to_a_tensor_that_needs_grad_takes_the_general_path() -> None:
+    p = GroupTopK(4, 1).compress(torch.tensor([1.0, -5, 2, 0, 3, 0]))
+    out = torch.zeros(6, requires_grad=True)
+    with torch.no_grad():
+        p.add_to(out)
+    assert out.tolist() == [0.0, -5.0, 0.0, 0.0, 3.0, 0.0]
