@@ -35,7 +35,7 @@ broker:
 	  echo "note: nftables is not installed; the lab's loss tests will be skipped"
 
 test: lint broker
-	$(BIN)/pytest -q -n 2 --dist loadgroup
+	$(BIN)/pytest -q -n 2 --dist loadgroup --durations=15
 
 bench: setup
 	$(BIN)/fedring bench compress --numel 10000000 --density 0.01
