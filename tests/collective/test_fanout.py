@@ -16,10 +16,15 @@ from hypothesis import strategies as st
 
 from fedring.collective import PeerChannel, PeerLost
 from fedring.collective.fanout import Fanout, Hub
-from fedring.compression import GroupTopK
+from fedring.collective.payloads import encode_payload
+from fedring.compression import GroupSparse, GroupTopK
+from fedring.compression.sparse import n_groups
 from fedring.config import JobSpec, SpecError
 from fedring.transport.base import Deadline, Delivery
 from fedring.transport.inproc import InprocTransport
+from fedring.wire.compact import decode_compact, encode_compact, header_bytes
+from fedring.wire.errors import FrameError, FrameReason
+from fedring.wire.frame import Frame
 from tests.strategies import flat_vectors
 
 KINDS = {"fanout": Fanout, "hub": Hub}
@@ -136,3 +141,22 @@ def test_the_job_field_is_checked_and_named() -> None:
     with pytest.raises(SpecError, match=r"'collective'='hub'.*topology='star'"):
         JobSpec(collective="hub", topology="star", aggregation="median")
     assert JobSpec().collective == "ring"
+
+
+@pytest.mark.parametrize("phase", ["fan.b3", "hub-down.b3", "hub-up.b3"])
+def test_broadcast_frames_keep_a_64_byte_header_and_their_tag_binds_the_job(phase: str) -> None:
+    x = torch.randn(5210)
+    topk = GroupTopK(256, 3, "fp16")
+    total = sum((topk.compress(torch.randn(5210)).decompress() for _ in range(4)), x * 0)
+    payloads = [topk.compress(x), GroupSparse.from_dense(total, 256, (0, n_groups(5210, 256)))]
+    for payload in payloads:
+        meta, body = encode_payload(payload)
+        frame = Frame(kind="chunk", job="sim", src="agent-31", dst="*", seq=65_535,
+                      round=65_535, step=0, phase=phase, meta=meta, body=body)  # fmt: skip
+        data = encode_compact(frame, b"k")
+        assert header_bytes(data) <= 64
+        got = decode_compact(data, job="sim", src="agent-31", dsts=("agent-2", "*"), key=b"k")
+        assert got.dst == "*" and got.body == body
+        with pytest.raises(FrameError) as info:  # the same bytes replayed into another job
+            decode_compact(data, job="sim2", src="agent-31", dsts=("agent-2", "*"), key=b"k")
+        assert info.value.reason == FrameReason.UNEXPECTED
