@@ -3,6 +3,7 @@ the dense sum of the members' compressed payloads; one broadcast costs the sende
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -160,3 +161,20 @@ def test_broadcast_frames_keep_a_64_byte_header_and_their_tag_binds_the_job(phas
         with pytest.raises(FrameError) as info:  # the same bytes replayed into another job
             decode_compact(data, job="sim2", src="agent-31", dsts=("agent-2", "*"), key=b"k")
         assert info.value.reason == FrameReason.UNEXPECTED
+
+
+def test_simulate_runs_the_collective_it_is_given_and_refuses_others() -> None:
+    from typer.testing import CliRunner
+
+    from fedring.cli import app
+
+    runner = CliRunner()
+    bad = runner.invoke(app, ["simulate", "--collective", "tree", "--rounds", "1"])
+    assert bad.exit_code == 2 and "'collective'='tree'" in " ".join(bad.output.split())
+    args = ["simulate", "--agents", "3", "--rounds", "4", "--eval-every", "2", "--json"]
+    runs = {c: runner.invoke(app, [*args, "--collective", c]) for c in ("fanout", "hub")}
+    docs = {c: json.loads(r.stdout.strip().splitlines()[-1]) for c, r in runs.items()}
+    assert docs["fanout"]["layout"] == "fanout of 3" and docs["hub"]["layout"] == "hub of 3"
+    assert docs["fanout"]["identical_models"] and docs["hub"]["identical_models"]
+    # both sum the same payloads in the same order: the same parameters
+    assert docs["fanout"]["model_hashes"] == docs["hub"]["model_hashes"]
