@@ -25,9 +25,11 @@ Incoming messages go to one of two queues:
 
 The sender of an inbox message is the topic's last level, which the broker's ACL
 binds to the client's user name (see `topics`); QoS 1 may deliver twice, so
-`PeerChannel` de-duplicates by (src, seq).
+`PeerChannel` de-duplicates by (src, seq). A job's broadcasts
+(``jobs/{job}/all/{src}``, `MqttEndpoint.broadcast`: one publish for every member)
+go to the same data queue as its inbox frames; our own echo is dropped.
 
-Why one module of about 780 lines: paho's callbacks, presence, heartbeats,
+Why one module of about 830 lines: paho's callbacks, presence, heartbeats,
 reconnection and the bounded send queue share one client and one lock; splitting them would spread
 that locking across files.
 """
