@@ -186,6 +186,11 @@ def simulate_cmd(
         help="auto | ring | torus (2-D ring: same bytes, fewer steps) | star (allows "
         "median/trimmed). auto = torus from 9 agents when N = R x C with R >= 3. [auto]",
     ),
+    collective: str | None = typer.Option(
+        None,
+        help="ring (2(N-1) steps) | fanout (each broadcasts once, all sum) | hub (rank 0 sums "
+        "and broadcasts once): one step instead of 2(N-1) where a round is latency. [ring]",
+    ),
     sync: str | None = typer.Option(None, help="sync | local | adaptive | async. [sync]"),
     local_steps: int | None = typer.Option(
         None, help="H, local steps per round (local/adaptive/async). [4]"

@@ -50,6 +50,9 @@ def run_cmd(
     model: str | None = typer.Option(None, help="mlp | mlp:W1xW2... | cnn. [mlp]"),
     compression: str | None = typer.Option(None, help="none | group-topk. [group-topk]"),
     sync: str | None = typer.Option(None, help="sync | local | adaptive. [sync]"),
+    collective: str | None = typer.Option(
+        None, help="ring | fanout (one broadcast each) | hub (rank 0 sums, broadcasts). [ring]"
+    ),
     rounds: int | None = typer.Option(None, help="Rounds. [600]"),
     target_accuracy: float | None = typer.Option(None, help="Stop once reached. [0: never]"),
     profile: str = typer.Option(
@@ -74,7 +77,8 @@ def run_cmd(
         err.print(f"[red]error: {escape(why)}[/red]")
         raise typer.Exit(2)
     flags = {"dataset": dataset, "model": model, "compression": compression, "sync": sync,
-             "rounds": rounds, "target_accuracy": target_accuracy}  # fmt: skip
+             "collective": collective, "rounds": rounds,
+             "target_accuracy": target_accuracy}  # fmt: skip
     changes: dict[str, Any] = {k: v for k, v in flags.items() if v is not None}
     try:
         spec = JobSpec.from_toml(job, changes) if job else JobSpec(**changes)
@@ -103,6 +107,7 @@ def run_cmd(
         raise typer.Exit(1) from None
     summary = result["summary"]
     sent = [b[0] for b in result["link_bytes"].values()]
+    received = [b[1] for b in result["link_bytes"].values()]
     brief = {
         "agents": agents, "bandwidth_mbps": bandwidth, "final_accuracy": summary["final_accuracy"],
         "rounds": summary["rounds"], "identical_models": summary["identical_models"],
@@ -110,7 +115,8 @@ def run_cmd(
         if spec.target_accuracy else None,
         "training_seconds": result["rows"][-1].get("wall_s") if result["rows"] else None,
         "wall_seconds": result["wall_seconds"],
-        "link_bytes_sent_per_agent": sum(sent) / len(sent), "out": result["out"],
+        "link_bytes_sent_per_agent": sum(sent) / len(sent),
+        "link_bytes_received_per_agent": sum(received) / len(received), "out": result["out"],
         "loss": loss, "delay_ms": delay_ms, "packets_dropped": sum(dropped.values()),
     }  # fmt: skip
     if as_json:

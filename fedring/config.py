@@ -25,6 +25,7 @@ SYNC_MODES = ("sync", "local", "adaptive", "async")
 COMPRESSIONS = ("none", "group-topk")
 POLICIES = ("bounded", "exact")
 TOPOLOGIES = ("auto", "ring", "torus", "star")
+COLLECTIVES = ("ring", "fanout", "hub")  # fedring.collective.fanout.COLLECTIVES
 LR_SCALINGS = ("linear", "sqrt", "none")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 INITS = ("sent", "derived")
@@ -55,6 +56,9 @@ class JobSpec:
     density_warmup: int = 10  # rounds per DGC warm-up stage (25%, 6.25%, 1.56%, 0.4%); 0 = off
     policy: str = "bounded"  # sparse ring policy: bounded | exact
     topology: str = "auto"  # auto | ring | torus (2-D ring) | star (a centre: median, trimmed)
+    # How a round's sum travels: ring (2(N-1) steps, or the topology's torus) | fanout
+    # (each broadcasts once, all sum) | hub (rank 0 sums, broadcasts once); docs/lab.md.
+    collective: str = "ring"
     sync: str = "sync"  # sync | local | adaptive | async
     local_steps: int = 4  # H: local steps between syncs (local, adaptive, async)
     aggregation: str = "mean"  # mean | weighted | vote | hybrid:L[-L2] | median | trimmed:B
@@ -133,6 +137,7 @@ class JobSpec:
         _check_choice(self, "value_dtype", VALUE_DTYPES)
         _check_choice(self, "policy", POLICIES)
         _check_choice(self, "topology", TOPOLOGIES)
+        _check_choice(self, "collective", COLLECTIVES)
         _check_choice(self, "sync", SYNC_MODES)
         _check_choice(self, "lr_scaling", LR_SCALINGS)
         _check_choice(self, "init", INITS)
@@ -201,6 +206,7 @@ class JobSpec:
                 f"torus and bucket_kb=0, not sync={self.sync!r}, aggregation="
                 f"{self.aggregation!r}, topology={self.topology!r}, bucket_kb={self.bucket_kb}"
             )
+        _check_collective(self, agg.kind)
         if self.lr == 0:  # auto, once the aggregation is known to parse
             object.__setattr__(self, "lr", 0.1 if self.plain_ef_sgd else 0.025)
 
@@ -281,6 +287,20 @@ def _check_choice(spec: JobSpec, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(spec, name)
     if value not in choices:
         raise SpecError(f"field {name!r}={value!r} must be one of {', '.join(choices)}")
+
+
+def _check_collective(spec: JobSpec, kind: str) -> None:
+    """A one-step collective replaces the ring of a synchronous mean: nothing else."""
+    if spec.collective == "ring":
+        return
+    if (spec.topology not in ("auto", "ring") or spec.sync == "async"
+            or kind not in ("mean", "weighted") or spec.pipeline_stages != 1):  # fmt: skip
+        raise SpecError(
+            f"field 'collective'={spec.collective!r} replaces the ring's all-reduce: it needs "
+            "topology auto or ring, sync other than async, aggregation mean or weighted and "
+            f"pipeline_stages=1, not topology={spec.topology!r}, sync={spec.sync!r}, "
+            f"aggregation={spec.aggregation!r}, pipeline_stages={spec.pipeline_stages}"
+        )
 
 
 def _check_sample(spec: JobSpec) -> None:

@@ -24,6 +24,8 @@ from fedring.collective.payloads import decode_payload, encode_payload
 from fedring.compression.payload import Payload, PayloadLimits
 from fedring.counters import Counters
 from fedring.transport.base import (
+    BROADCAST,
+    Broadcaster,
     Deadline,
     Endpoint,
     MembershipEvent,
@@ -93,18 +95,7 @@ class PeerChannel:
         self, dst: str, payload: Payload, *, round: int, step: int, phase: str, deadline: Deadline
     ) -> None:
         """Send `payload` to `dst` as one or more signed frames."""
-        meta, body = encode_payload(payload)
-        template = Frame(
-            kind="chunk", job=self.job, src=self.name, dst=dst, seq=0,
-            round=round, step=step, phase=phase, meta=meta,
-        )  # fmt: skip
-        frames = split_payload(template, body, next(self._seq), self.limits)
-        for _ in frames[1:]:
-            next(self._seq)
-        for frame in frames:
-            data = encode_compact(frame, self.key)
-            if len(data) > self.limits.max_frame_bytes:  # a header too big: our bug, not theirs
-                raise ValueError(f"encoded frame of {len(data)} bytes > max_frame_bytes")
+        for data in self._frames(dst, payload, round=round, step=step, phase=phase):
             try:
                 self.endpoint.send(dst, data, deadline)
             except PeerUnreachable as exc:
@@ -113,7 +104,50 @@ class PeerChannel:
             except TransportTimeout as exc:
                 self.counters.add("timeout")
                 raise CollectiveTimeout(f"{self.name!r} could not hand a frame to {dst!r}") from exc
+
+    def broadcast(
+        self, payload: Payload, members: Collection[str], *, round: int, step: int, phase: str,
+        deadline: Deadline,
+    ) -> None:  # fmt: skip
+        """Send `payload` to every other member of `members` at once.
+
+        On a `Broadcaster` endpoint that is one send of frames addressed to
+        ``BROADCAST``, whatever the number of members; on any other endpoint, one
+        `send` to each of them.
+        """
+        if not callable(getattr(self.endpoint, "broadcast", None)):
+            for dst in members:
+                if dst != self.name:
+                    self.send(dst, payload, round=round, step=step, phase=phase, deadline=deadline)
+            return
+        caster: Broadcaster = self.endpoint  # type: ignore[assignment]
+        for data in self._frames(BROADCAST, payload, round=round, step=step, phase=phase):
+            try:
+                caster.broadcast(data, deadline)
+            except TransportTimeout as exc:
+                self.counters.add("timeout")
+                raise CollectiveTimeout(f"{self.name!r} could not broadcast a frame") from exc
+
+    def _frames(
+        self, dst: str, payload: Payload, *, round: int, step: int, phase: str
+    ) -> list[bytes]:
+        """`payload` as encoded, signed compact frames for `dst`, each below the limit."""
+        meta, body = encode_payload(payload)
+        template = Frame(
+            kind="chunk", job=self.job, src=self.name, dst=dst, seq=0,
+            round=round, step=step, phase=phase, meta=meta,
+        )  # fmt: skip
+        frames = split_payload(template, body, next(self._seq), self.limits)
+        for _ in frames[1:]:
+            next(self._seq)
+        out = []
+        for frame in frames:
+            data = encode_compact(frame, self.key)
+            if len(data) > self.limits.max_frame_bytes:  # a header too big: our bug, not theirs
+                raise ValueError(f"encoded frame of {len(data)} bytes > max_frame_bytes")
+            out.append(data)
         self.payload_bytes_sent += len(body)
+        return out
 
     def recv(
         self,
@@ -144,6 +178,40 @@ class PeerChannel:
                 except FrameError as exc:
                     self._refuse(src, exc)
             self._pull(deadline, (src,), f"{phase} step {step} of round {round} from {src!r}")
+
+    def gather(
+        self,
+        srcs: Collection[str],
+        *,
+        round: int,
+        step: int,
+        phase: str,
+        deadline: Deadline,
+        accept: Callable[[Payload], None] | None = None,
+        limits: PayloadLimits | None = None,
+    ) -> dict[str, Payload]:
+        """The payload each of `srcs` sent for (round, step, phase), in whatever order
+        they arrive; a member of `srcs` not yet heard from that is lost ends the wait
+        with `PeerLost` (`recv` one at a time would notice only the one it waits on)."""
+        want, got = set(srcs), {}
+        while want:
+            for src in sorted(want):
+                stashed = self._stash.pop((src, round, step, phase), None)
+                if stashed is None:
+                    continue
+                try:
+                    payload = decode_payload(stashed[0], stashed[1], limits or self.payload_limits)
+                    if accept is not None:
+                        accept(payload)
+                except FrameError as exc:
+                    self._refuse(src, exc)
+                    continue
+                got[src] = payload
+                want.discard(src)
+            if want:
+                self._pull(deadline, tuple(sorted(want)),
+                           f"{phase} step {step} of round {round} from {sorted(want)}")  # fmt: skip
+        return got
 
     def recv_any(
         self,
@@ -204,7 +272,7 @@ class PeerChannel:
         try:
             if not sender:  # the compact frame's tag binds the sender's name, so it must be known
                 raise FrameError(FrameReason.UNEXPECTED, "the transport did not name the sender")
-            frame = decode_compact(data, job=self.job, src=sender, dsts=(self.name, "*"),
+            frame = decode_compact(data, job=self.job, src=sender, dsts=(self.name, BROADCAST),
                                    key=self.key, limits=self.limits)  # fmt: skip
             if not self._seen.first_time(frame.src, frame.seq):
                 self.counters.add("duplicate")

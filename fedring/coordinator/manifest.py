@@ -4,7 +4,8 @@ A manifest is the same size whatever the number of agents: the agent's own row o
 the shard table (`ShardEntry`, which names the whole table by its sha256) instead
 of the table, and of the ring only the size, the agent's rank and the names of the
 members it exchanges with (`collective.torus.contacts`: its ring neighbours, on a
-grid each axis's) instead of every member, and its weight in the mean (1/N, or
+grid each axis's; with ``collective = "fanout"`` every member, with ``"hub"`` the
+hub too, and the hub every member) instead of every member, and its weight in the mean (1/N, or
 its capped shard-size weight for ``weighted``); then the job spec, the key, and
 where the segment starts. The full table and member list stay with the coordinator.
 """
@@ -33,8 +34,15 @@ def segment_docs(
         sizes = [table.sizes[ck.shards[m]] for m in members]  # capped as `simulate` does
         weights = capped_weights(sizes, float(ck.spec.get("weight_cap", 2.0))).tolist()
 
+    collective = str(ck.spec.get("collective", "ring"))
+
     def peers(rank: int) -> dict[str, str]:
-        return {str(i): members[i] for i in contacts(topology, world, rank)}
+        near = set(contacts(topology, world, rank))
+        if collective == "fanout" or (collective == "hub" and rank == 0):
+            near = set(range(world))  # hears every member (the hub: their updates)
+        elif collective == "hub":
+            near.add(0)
+        return {str(i): members[i] for i in sorted(near)}
 
     return {
         agent: {

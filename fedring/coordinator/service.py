@@ -547,6 +547,7 @@ class Coordinator:
         summary["layout"] = (
             "async star" if self.asynchronous
             else f"star of {n}" if self.spec.topology == "star"
+            else f"{self.spec.collective} of {n}" if self.spec.collective != "ring"
             else layout_name(self.spec.topology, n)
         )  # fmt: skip
         summary["coordinator_counters"] = self.counters.snapshot()

@@ -249,8 +249,8 @@ class JobWorker:
         if centre is not None:
             hub = Centre(PeerChannel(centre, seg.channel_job, key=key, counters=counters,
                                      limits=limits), topics.COORDINATOR)  # fmt: skip
-        m = self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s, hub),
-                      seg.weight)  # fmt: skip
+        m = self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s, hub,
+                            algorithm=spec.collective), seg.weight)  # fmt: skip
 
         def before(r: int) -> None:
             if gate is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fedring.collective.channel import PeerChannel
+from fedring.collective.fanout import COLLECTIVES, Fanout, Hub
 from fedring.collective.torus import build_ring, layout_name
 from fedring.counters import Counters
 from fedring.engine.centre import Centre
@@ -37,10 +38,18 @@ class Group:
     topology: str = "auto"  # auto | ring | torus
     timeout_s: float = 60.0  # deadline of every collective step
     centre: Centre | None = None  # a star's centre; None: `STAR` on this channel
+    algorithm: str = "ring"  # the job's `collective`: ring (or torus) | fanout | hub
     collective: Collective = field(init=False)
 
     def __post_init__(self) -> None:
-        self.collective = build_ring(self.channel, self.members, self.topology, self.timeout_s)
+        if self.algorithm == "fanout":
+            self.collective = Fanout(self.channel, self.members, self.timeout_s)
+        elif self.algorithm == "hub":
+            self.collective = Hub(self.channel, self.members, self.timeout_s)
+        elif self.algorithm == "ring":
+            self.collective = build_ring(self.channel, self.members, self.topology, self.timeout_s)
+        else:
+            raise ValueError(f"collective {self.algorithm!r} is not one of {COLLECTIVES}")
 
     @property
     def rank(self) -> int:
@@ -52,22 +61,25 @@ class Group:
 
     @property
     def layout(self) -> str:
+        if self.algorithm != "ring":
+            return f"{self.algorithm} of {self.world}"
         return layout_name(self.topology, self.world)
 
     @classmethod
     def on(
         cls, endpoint: Endpoint, members: tuple[str, ...], *, job: str, key: bytes | None,
         topology: str = "auto", timeout_s: float = 60.0, counters: Counters | None = None,
-        **channel: object,
+        algorithm: str = "ring", **channel: object,
     ) -> Group:  # fmt: skip
         """The group of `members` as seen from `endpoint` (one of them)."""
         ch = PeerChannel(endpoint, job, key=key, counters=counters, **channel)  # type: ignore[arg-type]
-        return cls(ch, members, topology, timeout_s)
+        return cls(ch, members, topology, timeout_s, algorithm=algorithm)
 
 
 def local_group(
     n: int, *, job: str = "local", topology: str = "auto", timeout_s: float = 60.0,
     hub: InprocTransport | None = None, counters: Counters | None = None,
+    algorithm: str = "ring",
 ) -> list[Group]:  # fmt: skip
     """`n` members connected in-process, one `Group` per member (run each on a thread)."""
     if n < 1:
@@ -77,6 +89,6 @@ def local_group(
     names = tuple(f"agent-{i}" for i in range(n))
     return [
         Group.on(hub.connect(name), names, job=job, key=LOCAL_KEY, topology=topology,
-                 timeout_s=timeout_s, counters=counters)
+                 timeout_s=timeout_s, counters=counters, algorithm=algorithm)
         for name in names
     ]

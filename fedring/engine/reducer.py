@@ -34,6 +34,7 @@ from typing import Literal
 import torch
 
 from fedring.collective.channel import PeerChannel
+from fedring.collective.fanout import Fanout, Hub
 from fedring.collective.ring import Ring
 from fedring.collective.torus import Torus
 from fedring.collective.vote import majority_vote
@@ -46,7 +47,7 @@ from fedring.engine.centre import STAR, Centre
 from fedring.transport.base import Deadline
 
 __all__ = ["STAR", "Centre", "Reducer", "ReducerSettings", "compress_update"]
-Collective = Ring | Torus
+Collective = Ring | Torus | Fanout | Hub
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,9 @@ class FlowerJob:
             )
         if spec.topology not in FLOWER_TOPOLOGIES:
             raise SpecError(f"field 'topology'={spec.topology!r}: over Flower use star or ring")
+        if spec.collective != "ring":
+            raise SpecError(f"field 'collective'={spec.collective!r}: the Flower relay has no "
+                            "broadcast; over Flower use ring")  # fmt: skip
         kind = Aggregation.parse(spec.aggregation).kind
         if spec.topology == "ring" and kind not in ("mean", "weighted"):
             raise SpecError(

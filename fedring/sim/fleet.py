@@ -122,8 +122,10 @@ def ring_steps(layout: str, agents: int) -> int:
     torus = re.fullmatch(r"torus (\d+(?:x\d+)+)", layout)
     if torus:
         return sum(2 * (int(d) - 1) for d in torus.group(1).split("x"))
-    if layout == "star":
+    if layout == "star" or layout.startswith("hub "):
         return 2
+    if layout.startswith("fanout "):
+        return 1
     return 2 * (agents - 1)
 
 

@@ -78,7 +78,8 @@ def simulate(
     hub, counters = InprocTransport(cooperative=True), Counters()
     baton = hub.baton
     groups = local_group(spec.agents, job="sim", topology=spec.topology,
-                         timeout_s=spec.timeout_s, hub=hub, counters=counters)  # fmt: skip
+                         timeout_s=spec.timeout_s, hub=hub, counters=counters,
+                         algorithm=spec.collective)  # fmt: skip
     members = [
         build.member(spec, p.task, p.dataset, *prepared[r], groups[r], rank=r,
                      weight=p.weights[r], yielder=baton,
@@ -148,7 +149,11 @@ def summarise(
         "dense_equivalent_bytes": _dense_equivalent(spec, numel, results[0].rounds_run),
         "wall_seconds": wall,
         "params": numel,
-        "layout": "star" if spec.topology == "star" else layout_name(spec.topology, spec.agents),
+        "layout": (
+            "star" if spec.topology == "star"
+            else layout_name(spec.topology, spec.agents) if spec.collective == "ring"
+            else f"{spec.collective} of {spec.agents}"
+        ),
         "model_hashes": hashes,
         "identical_models": len(hashes) == 1,
         "rollbacks": results[0].rollbacks,

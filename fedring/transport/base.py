@@ -98,5 +98,22 @@ class Endpoint(Protocol):
         ...
 
 
+class Broadcaster(Protocol):
+    """An `Endpoint` that can reach every member of its job with one send.
+
+    Over MQTT that is one publish on the job's broadcast topic (the broker fans it
+    out); in-process one copy into every other inbox. Either way it costs the
+    sender's uplink once and each receiver's downlink once. Frames sent this way
+    carry the destination ``BROADCAST`` ("*"), which every receiver accepts.
+    """
+
+    def broadcast(self, data: bytes, deadline: Deadline) -> None:
+        """Queue `data` for every other endpoint of the job; raise `TransportTimeout`."""
+        ...
+
+
+BROADCAST = "*"  # the frame destination of a broadcast: every member accepts it
+
+
 class Transport(Protocol):
     def connect(self, name: str) -> Endpoint: ...

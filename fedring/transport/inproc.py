@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from fedring.transport.base import (
+    BROADCAST,
     Deadline,
     Delivery,
     EndpointClosed,
@@ -142,6 +143,19 @@ class InprocEndpoint:
         self.stats.bytes_sent += len(data)
         self.stats.per_peer_sent[dst] = self.stats.per_peer_sent.get(dst, 0) + len(data)
 
+    def broadcast(self, data: bytes, deadline: Deadline) -> None:
+        """Queue `data` for every other endpoint on the hub (one send on our uplink,
+        one receive on each of theirs, as a broker's fan-out costs)."""
+        if self._closed:
+            raise EndpointClosed(f"endpoint {self.name!r} is closed")
+        item = Delivery(self.name, data)
+        for target in self._hub._others(self.name):
+            if not target._inbox.put_frame(item, deadline):
+                raise TransportTimeout(f"inbox of {target.name!r} stayed full until the deadline")
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += len(data)
+        self.stats.per_peer_sent[BROADCAST] = self.stats.per_peer_sent.get(BROADCAST, 0) + len(data)
+
     def recv(self, deadline: Deadline) -> Delivery | MembershipEvent:
         """The next frame or membership event, in arrival order."""
         if self._closed:
@@ -208,6 +222,10 @@ class InprocTransport:
     def names(self) -> frozenset[str]:
         with self._lock:
             return frozenset(self._endpoints)
+
+    def _others(self, name: str) -> list[InprocEndpoint]:
+        with self._lock:
+            return [e for n, e in self._endpoints.items() if n != name]
 
     def _lookup(self, name: str) -> InprocEndpoint:
         with self._lock:

@@ -25,9 +25,11 @@ Incoming messages go to one of two queues:
 
 The sender of an inbox message is the topic's last level, which the broker's ACL
 binds to the client's user name (see `topics`); QoS 1 may deliver twice, so
-`PeerChannel` de-duplicates by (src, seq).
+`PeerChannel` de-duplicates by (src, seq). A job's broadcasts
+(``jobs/{job}/all/{src}``, `MqttEndpoint.broadcast`: one publish for every member)
+go to the same data queue as its inbox frames; our own echo is dropped.
 
-Why one module of about 780 lines: paho's callbacks, presence, heartbeats,
+Why one module of about 830 lines: paho's callbacks, presence, heartbeats,
 reconnection and the bounded send queue share one client and one lock; splitting them would spread
 that locking across files.
 """
@@ -52,10 +54,12 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from fedring.counters import Counters
 from fedring.transport import topics
 from fedring.transport.base import (
+    BROADCAST,
     Deadline,
     Delivery,
     EndpointClosed,
@@ -254,6 +258,7 @@ class MqttLink:
         # Jobs whose peer frames we hold: ours, those with an open endpoint, and those the
         # coordinator (whose sender level only it may write) has sent us a frame in.
         self._jobs: set[str] = set() if job is None else {job}
+        self._broadcasts: set[str] = set()  # jobs whose broadcasts the coordinator takes
         self._reconnected_at = -float("inf")  # monotonic time of our latest reconnect
         self._control_from = frozenset(control_from)
         self._listen_hellos = listen_hellos
@@ -404,6 +409,11 @@ class MqttLink:
             with self._lock:
                 self._beats = {who: (s, now, lim) for who, (s, _t, lim) in self._beats.items()}
         client.subscribe([(t, 1) for t in subs])
+        # An agent subscribes to every job's broadcasts from the start, as to its inboxes:
+        # a member that opened its job's endpoint a moment after a faster one broadcast
+        # round 0 would otherwise miss it. Other jobs' broadcasts are dropped on arrival.
+        for job in ["+"] if not self._listen_hellos else list(self._broadcasts):
+            self._subscribe_broadcasts(client, job)
         client.publish(topics.status(self.me), self._status("online"), qos=1, retain=True)
         if self._connack is not None and self._connack[0]:
             self.counters.add("mqtt_reconnect")
@@ -416,6 +426,15 @@ class MqttLink:
             self._beater = threading.Thread(target=self._beat_loop, daemon=True,
                                             name=f"beat-{self.me}")  # fmt: skip
             self._beater.start()
+
+    def _subscribe_broadcasts(self, client: mqtt.Client, job: str) -> None:
+        """Subscribe to `job`'s broadcasts; MQTT 5 asks the broker not to echo our own
+        (3.1.1 cannot: `_route` drops the echo, which still crossed our downlink)."""
+        if self._v5:
+            client.subscribe(topics.job_broadcasts(job), options=SubscribeOptions(qos=1,
+                             noLocal=True))  # fmt: skip
+        else:
+            client.subscribe(topics.job_broadcasts(job), qos=1)
 
     def _on_disconnect(self, _c: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
         self._connected.clear()
@@ -440,6 +459,10 @@ class MqttLink:
             log.exception("%s: error handling a message on %s", self.me, msg.topic)
 
     def _route(self, topic: str, payload: bytes, retained: bool = False) -> None:
+        cast = topics.parse_broadcast(topic)
+        if cast is not None:
+            self._route_broadcast(topic, *cast, payload)
+            return
         box = topics.parse_inbox(topic)
         if box is not None:
             job, _dst, src = box
@@ -472,6 +495,21 @@ class MqttLink:
         parts = topic.split("/")
         if len(parts) == 6 and parts[4] == "metrics":
             self._offer(self.control, Control("metrics", parts[5], payload, parts[3]), topic)
+
+    def _route_broadcast(self, topic: str, job: str, src: str, payload: bytes) -> None:
+        """A member's broadcast goes where its job's inbox frames go; our own echo nowhere."""
+        if src == self.me:
+            self.counters.add("broadcast_echo")
+            return
+        self.stats.frames_received += 1
+        self.stats.bytes_received += len(payload)
+        private = self._private.get(job)
+        if private is not None:
+            self._offer(private, (job, Delivery(src, payload)), topic)
+        elif job in self._jobs:
+            self._offer(self._data, (job, Delivery(src, payload)), topic)
+        else:
+            self._dropped("inbox_other_job", topic, len(payload))
 
     def _offer(self, inbox: _Inbox[_Item], item: _Item, what: str) -> None:
         if not inbox.offer(item):
@@ -623,6 +661,11 @@ class MqttLink:
         self.publish(topics.inbox(job, dst, self.me), data, deadline)
         self.stats.per_peer_sent[dst] = self.stats.per_peer_sent.get(dst, 0) + len(data)
 
+    def broadcast_to(self, job: str, data: bytes, deadline: Deadline) -> None:
+        """One publish on `job`'s broadcast topic: the broker hands it to every member."""
+        self.publish(topics.broadcast(job, self.me), data, deadline)
+        self.stats.per_peer_sent[BROADCAST] = self.stats.per_peer_sent.get(BROADCAST, 0) + len(data)
+
     def peers(self) -> frozenset[str]:
         with self._lock:
             return frozenset(self._presence.online)
@@ -671,6 +714,10 @@ class MqttLink:
             self._private = {**self._private, endpoint.job: endpoint.inbox}
         else:
             self._jobs.add(endpoint.job)
+        if self._listen_hellos and endpoint.job not in self._broadcasts:
+            self._broadcasts.add(endpoint.job)  # (an agent's link holds every job's already)
+            if self._client is not None and self._connected.is_set():
+                self._subscribe_broadcasts(self._client, endpoint.job)  # else on (re)connect
         return endpoint
 
     @property
@@ -752,6 +799,13 @@ class MqttEndpoint:
         self.stats.frames_sent += 1
         self.stats.bytes_sent += len(data)
         self.stats.per_peer_sent[dst] = self.stats.per_peer_sent.get(dst, 0) + len(data)
+
+    def broadcast(self, data: bytes, deadline: Deadline) -> None:
+        """One publish that every member of the job receives (see `Broadcaster`)."""
+        self.link.broadcast_to(self.job, data, deadline)
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += len(data)
+        self.stats.per_peer_sent[BROADCAST] = self.stats.per_peer_sent.get(BROADCAST, 0) + len(data)
 
     def recv(self, deadline: Deadline) -> Delivery | MembershipEvent:
         while True:

@@ -62,6 +62,34 @@ def inbox(job: str, dst: str, src: str) -> str:
     return f"{ROOT}/jobs/{job}/to/{dst}/{src}"
 
 
+def broadcast(job: str, src: str) -> str:
+    """A job's broadcast topic, one per sender: ``jobs/{job}/all/{src}``. As with the
+    inboxes, the ACL lets a client write only where the last level is its user name
+    (``pattern write fedring/v1/jobs/+/all/%u``); one publish reaches every member.
+
+    >>> broadcast("job1", "a1")
+    'fedring/v1/jobs/job1/all/a1'
+    """
+    return f"{ROOT}/jobs/{job}/all/{src}"
+
+
+def job_broadcasts(job: str) -> str:
+    """Subscription for every member's broadcasts in `job`."""
+    return f"{ROOT}/jobs/{job}/all/+"
+
+
+def parse_broadcast(topic: str) -> tuple[str, str] | None:
+    """(job, src) of a broadcast topic, or None.
+
+    >>> parse_broadcast("fedring/v1/jobs/job1/all/a1")
+    ('job1', 'a1')
+    """
+    parts = topic.split("/")
+    if len(parts) == 6 and "/".join(parts[:2]) == ROOT and parts[2] == "jobs" and parts[4] == "all":
+        return parts[3], parts[5]
+    return None
+
+
 def star(job: str) -> str:
     """The topic-level job of a star's exchanges with the coordinator, apart from its
     control messages (both come from the coordinator's id).

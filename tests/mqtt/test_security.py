@@ -109,6 +109,43 @@ def test_agent_reads_only_its_inbox_and_cannot_pose_as_the_coordinator(
             c.close()
 
 
+def test_a_broadcast_under_a_forged_sender_level_is_denied(secured: Mosquitto) -> None:
+    a1, a2, a3 = Raw(secured.port, "a1"), Raw(secured.port, "a2"), Raw(secured.port, "a3")
+    try:
+        assert a2.subscribe("fedring/v1/jobs/+/all/+") == [1]  # members read the job's
+        a1.publish("fedring/v1/jobs/j/all/a3")  # posing as a3
+        a1.publish("fedring/v1/jobs/j/all/coordinator")  # posing as the coordinator
+        a1.publish("fedring/v1/jobs/j/all/a1")  # allowed: its own sender level
+        deadline = Deadline.after(5)
+        while "fedring/v1/jobs/j/all/a1" not in a2.got and not deadline.expired:
+            threading.Event().wait(0.05)
+        threading.Event().wait(0.5)  # give any wrongly allowed message time to arrive
+        assert a2.got == ["fedring/v1/jobs/j/all/a1"]
+    finally:
+        for c in (a1, a2, a3):
+            c.close()
+
+
+def test_fedring_links_broadcast_under_the_acl(secured: Mosquitto) -> None:
+    links = [MqttLink(_cfg(secured, u), u).connect() for u in ("a1", "a2", "a3")]
+    try:
+        inboxes = [link.endpoint("j") for link in links]
+        time.sleep(0.3)  # the subscriptions settle
+        inboxes[0].broadcast(b"to-all", Deadline.after(5))
+        for inbox in inboxes[1:]:
+            got = inbox.recv(Deadline.after(5))
+            while not hasattr(got, "data"):
+                got = inbox.recv(Deadline.after(5))
+            assert got.src == "a1" and got.data == b"to-all"  # type: ignore[union-attr]
+        time.sleep(0.3)
+        assert links[0].counters.get("broadcast_echo") == 1  # 3.1.1: our own copy, dropped
+        assert inboxes[0].stats.frames_received == 0
+        assert links[0].stats.bytes_sent >= len(b"to-all") and inboxes[0].stats.frames_sent == 1
+    finally:
+        for link in links:
+            link.close()
+
+
 def test_fedring_links_work_under_the_acl(secured: Mosquitto) -> None:
     a1 = MqttLink(_cfg(secured, "a1"), "a1").connect()
     a2 = MqttLink(_cfg(secured, "a2"), "a2").connect()
