@@ -743,11 +743,12 @@ class MqttLink:
             props.SessionExpiryInterval = 0
         self._client.disconnect(properties=props)
         self._client.loop_stop()
-        if not self._v5:
-            self._forget_session()
+        # Also under MQTT 5: the broker may read a newcomer's CONNECT before our
+        # DISCONNECT (seen under load); a clean connect that it answers leaves no doubt.
+        self._forget_session()
 
     def _forget_session(self) -> None:
-        """MQTT 3.1.1 keeps a persistent session (and queues what its subscriptions match)
+        """The broker keeps a persistent session (and queues what its subscriptions match)
         until a clean-session connect with our id: make one, so that a clean goodbye
         leaves nothing behind (a crashed link's session is left to the broker's
         ``persistent_client_expiration``)."""
