@@ -14,7 +14,6 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import Mod
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
@@ -24,12 +23,6 @@ from fedring.flower.mod import RECORD, SIT_OUT, STAMP, SitOut, make_group_topk_m
 SHAPE = (64, 32)
 NUMEL = 64 * 32
 TOPK = GroupTopK.from_density(0.01, 256, "fp16")  # the mod's defaults: k = 3 of 256
-
-
-@pytest.fixture(autouse=True)
-def _task_identity() -> None:
-    """What a SuperNode sets before a Message can be made (as `InProcessGrid` does)."""
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 1, 1
 
 
 def step(rnd: int) -> np.ndarray:
