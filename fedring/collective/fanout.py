@@ -82,6 +82,28 @@ class _OneStep:
         self.flat = Ring(self.channel, self.members, self.timeout_s)
         self.rank, self.world = self.flat.rank, self.flat.world
 
+    def allreduce_dense(
+        self, x: torch.Tensor, *, round: int = 0, bucket: int | None = None
+    ) -> torch.Tensor:
+        """Sum of the members' flat float32 vectors, bit-identical on every member."""
+        flat = x.detach().reshape(-1).to(torch.float32)
+        return self._combine(DenseChunk(flat.numel(), 0, flat.clone()), (DenseChunk,),
+                             round=round, bucket=bucket)  # fmt: skip
+
+    def allreduce_sparse(
+        self, sparse: SparseGroups, *, policy: SparsePolicy = "bounded", round: int = 0,
+        bucket: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Sum of the members' group-top-k payloads; ``(sum, kept)`` like `Ring`, with
+        `kept` zero: nothing is re-selected on the way (`policy` has no say)."""
+        out = self._combine(sparse, (SparseGroups,), round=round, bucket=bucket)
+        return out, torch.zeros_like(out)
+
+    def _combine(
+        self, mine: Payload, expect: tuple[type, ...], *, round: int, bucket: int | None
+    ) -> torch.Tensor:
+        raise NotImplementedError  # Fanout: one broadcast each; Hub: up to rank 0 and back
+
     def _gather(
         self, srcs: list[int], payload_numel: int, expect: tuple[type, ...], *, round: int,
         phase: str, deadline: Deadline,
@@ -98,24 +120,7 @@ class _OneStep:
 class Fanout(_OneStep):
     """One member's one-step all-gather over a broadcast (see the module docstring)."""
 
-    def allreduce_dense(
-        self, x: torch.Tensor, *, round: int = 0, bucket: int | None = None
-    ) -> torch.Tensor:
-        """Sum of the members' flat float32 vectors, bit-identical on every member."""
-        flat = x.detach().reshape(-1).to(torch.float32)
-        return self._allgather(DenseChunk(flat.numel(), 0, flat.clone()), (DenseChunk,),
-                               round=round, bucket=bucket)  # fmt: skip
-
-    def allreduce_sparse(
-        self, sparse: SparseGroups, *, policy: SparsePolicy = "bounded", round: int = 0,
-        bucket: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Sum of the members' group-top-k payloads; ``(sum, kept)`` like `Ring`, with
-        `kept` zero: nothing is re-selected on the way (`policy` has no say)."""
-        out = self._allgather(sparse, (SparseGroups,), round=round, bucket=bucket)
-        return out, torch.zeros_like(out)
-
-    def _allgather(
+    def _combine(
         self, mine: Payload, expect: tuple[type, ...], *, round: int, bucket: int | None
     ) -> torch.Tensor:
         deadline = Deadline.after(self.timeout_s)
@@ -137,24 +142,7 @@ class Hub(_OneStep):
     def hub(self) -> str:
         return self.members[0]
 
-    def allreduce_dense(
-        self, x: torch.Tensor, *, round: int = 0, bucket: int | None = None
-    ) -> torch.Tensor:
-        """Sum of the members' flat float32 vectors, bit-identical on every member."""
-        flat = x.detach().reshape(-1).to(torch.float32)
-        return self._reduce(DenseChunk(flat.numel(), 0, flat.clone()), (DenseChunk,),
-                            round=round, bucket=bucket)  # fmt: skip
-
-    def allreduce_sparse(
-        self, sparse: SparseGroups, *, policy: SparsePolicy = "bounded", round: int = 0,
-        bucket: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Sum of the members' group-top-k payloads; ``(sum, kept)`` like `Ring`, with
-        `kept` zero: the hub sends the exact sum (`policy` has no say)."""
-        out = self._reduce(sparse, (SparseGroups,), round=round, bucket=bucket)
-        return out, torch.zeros_like(out)
-
-    def _reduce(
+    def _combine(
         self, mine: Payload, expect: tuple[type, ...], *, round: int, bucket: int | None
     ) -> torch.Tensor:
         deadline = Deadline.after(self.timeout_s)
