@@ -595,13 +595,16 @@ class MqttLink:
                 self._check_silences(now)
 
     def _on_beat(self, who: str, payload: bytes) -> None:
-        """A beat is ``SESSION KEEPALIVE``: the peer's own keep-alive sets its limit."""
+        """A beat is ``SESSION KEEPALIVE``: the peer's own keep-alive sets its limit.
+        A watcher hears its own beats too (it subscribes to every agent's): ignored."""
+        if who == self.me:
+            return
         session, _, keepalive = payload[:64].decode("ascii", "replace").partition(" ")
         try:
             limit = SILENT_AFTER * float(keepalive)
         except ValueError:
             limit = 0.0
-        if who == self.me or not 0 < limit < 1e6:
+        if not 0 < limit < 1e6:
             self.counters.add("bad_beat")
             return
         events: list[MembershipEvent] = []
