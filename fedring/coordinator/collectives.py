@@ -8,7 +8,8 @@ epoch carries the collective and its predicted all-reduce seconds; the summary's
 ``collective`` list has, per epoch, every candidate's prediction, the predicted
 round (the all-reduce, the slowest member's measured compute, and the head's wait
 for its checkpoint: a round trip, the model up, the coordinator's save) and the
-measured round (the median of the head's round-to-round wall time).
+measured round (the median of the head's round-to-round wall time, past the density
+warm-up when the epoch runs past it: the model predicts the target density's payload).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from fedring.choose import choose_collective
 from fedring.collective.cost import Choice
+from fedring.compression.schedule import DGC_STAGES
 from fedring.config import JobSpec
 from fedring.coordinator.membership import Fleet
 
@@ -34,6 +36,13 @@ class _Planned:
     start_round: int
     choice: Choice
     numel: int
+
+
+def warmup_rounds(spec: JobSpec) -> int:
+    """Rounds of the density warm-up (denser payloads than the model predicts for)."""
+    if spec.compression != "group-topk":
+        return 0
+    return spec.density_warmup * sum(1 for d in DGC_STAGES if d > spec.density)
 
 
 class CollectivePlans:
@@ -70,9 +79,11 @@ class CollectivePlans:
         """Per epoch: the choice, every prediction, predicted and measured round."""
         out = []
         ends = [p.start_round for p in self.epochs[1:]] + [max(rows, default=0) + 1]
+        warm = warmup_rounds(spec)
         for planned, end in zip(self.epochs, ends, strict=True):
+            first = max(planned.start_round, warm) if warm < end - 2 else planned.start_round
             walls = [float(rows[r]["wall_s"]) for r in sorted(rows)
-                     if planned.start_round <= r < end and "wall_s" in rows[r]]  # fmt: skip
+                     if first <= r < end and "wall_s" in rows[r]]  # fmt: skip
             gaps = [b - a for a, b in itertools.pairwise(walls)]
             steps = spec.local_steps if spec.sync != "sync" else 1
             compute = max((fleet.step_s.get(a, 0.0) for a in planned.members), default=0.0)
@@ -85,6 +96,7 @@ class CollectivePlans:
                 "from_round": planned.start_round, **planned.choice.to_dict(),
                 "predicted_round_s": round(chosen + steps * compute + gate, 6),
                 "measured_round_s": round(statistics.median(gaps), 6) if gaps else None,
+                "measured_from_round": first,
             })  # fmt: skip
         return out
 

@@ -106,4 +106,9 @@ class Fleet:
         )  # fmt: skip
 
     def probes(self, members: list[str]) -> dict[str, dict[str, float | None]]:
-        return {a: {"step_s": self.step_s.get(a), "link_bps": self.link(a)} for a in members}
+        out: dict[str, dict[str, float | None]] = {}
+        for a in members:
+            probe = self.cost_probe(a)
+            out[a] = {"step_s": self.step_s.get(a), "link_bps": self.link(a), "rtt_s": probe.rtt_s,
+                      "up_bps": probe.up_bps, "down_bps": probe.down_bps}  # fmt: skip
+        return out

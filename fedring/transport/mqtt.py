@@ -691,9 +691,8 @@ class MqttLink:
 
         ``rtt_s``: the best of three tiny messages there and back. ``up_bps``: `total`
         bytes published (QoS 1) until the broker acknowledged the last, less one round
-        trip. ``link_bps``: the same bytes there and back. ``down_bps``: the round trip
-        less one ``rtt_s``, so the slower direction's rate: a lower bound of the down
-        link when the up link is the slower one.
+        trip. ``link_bps``: the same bytes there and back. ``down_bps``: from the time
+        the pieces took to come back (`_down_bps`).
         """
         out = {"rtt_s": 0.0, "up_bps": 0.0, "down_bps": 0.0, "link_bps": 0.0}
         if self._closed or self._client is None:
@@ -724,12 +723,9 @@ class MqttLink:
         self.stats.frames_sent += 3 + pieces
         self.stats.bytes_sent += 9 + pieces * piece
         size = pieces * piece
-        return {
-            "rtt_s": rtt,
-            "up_bps": size / max(up - rtt, 1e-6),
-            "down_bps": size / max(both - rtt, 1e-6),
-            "link_bps": size / max(both, 1e-9),
-        }
+        up_bps = size / max(up - rtt, 1e-6)
+        return {"rtt_s": rtt, "up_bps": up_bps, "down_bps": _down_bps(size, piece, up_bps,
+                both - rtt), "link_bps": size / max(both, 1e-9)}  # fmt: skip
 
     def interrupt(self, channel_job: str) -> None:
         """Wake a `PeerChannel` of `channel_job` blocked in `recv`: it raises
@@ -871,3 +867,16 @@ class MqttEndpoint:
         link = self.link
         if self.inbox is not link._data:
             link._private = {j: q for j, q in link._private.items() if j != self.job}
+
+
+def _down_bps(size: int, piece: int, up_bps: float, seconds: float) -> float:
+    """The down link's bytes per second from a pipelined echo of `size` bytes in
+    `piece`s that took `seconds` (less one round trip) to come back in full.
+
+    The broker forwards each piece once it has it, so when the down link is the
+    slower the echo takes ``piece/up + size/down``. When it is the faster, the up link
+    paces the echo and the down link's own rate cannot be told apart from noise (one
+    piece's worth): it is taken to be the up link's, a lower bound.
+    """
+    slower = seconds - piece / up_bps
+    return min(size / slower, up_bps) if slower > 0 else up_bps
