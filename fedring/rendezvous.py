@@ -45,6 +45,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from fedring.collective.channel import PeerChannel
+from fedring.collective.fanout import COLLECTIVES
 from fedring.counters import Counters
 from fedring.engine.group import Group
 from fedring.transport import topics
@@ -102,6 +103,7 @@ def connect(
     broker: str | BrokerConfig, *, job: str, agent_id: str, world: int, key: bytes,
     username: str | None = None, password: str | None = None, topology: str = "auto",
     timeout_s: float = 60.0, wait_s: float = 120.0, counters: Counters | None = None,
+    collective: str = "ring",
 ) -> MqttGroup:  # fmt: skip
     """Join `job` at `broker` as `agent_id` and return this member's group.
 
@@ -123,6 +125,11 @@ def connect(
         or ``torus``, as in `fedring.local_group`.
     timeout_s
         Deadline of every step of a collective.
+    collective
+        How a sum travels: ``ring`` (2(N-1) steps; the `topology`'s torus), ``fanout``
+        (each member broadcasts its payload once on the job's broadcast topic and sums
+        all N) or ``hub`` (rank 0 sums and broadcasts once): one or two broker steps
+        where a round is latency (`docs/lab.md`). All must say the same.
     wait_s
         The longest `connect` waits, for the broker and for the other agents.
 
@@ -134,6 +141,9 @@ def connect(
         From the transport, unchanged.
     """
     _check(job, agent_id, world, key, topology, timeout_s, wait_s)
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective {collective!r} must be one of {', '.join(COLLECTIVES)} "
+                         "(auto is planned by the coordinator, from every agent's probe)")  # fmt: skip
     started = time.monotonic()
     deadline = Deadline(started + wait_s)
     cfg = broker if isinstance(broker, BrokerConfig) else BrokerConfig.parse(broker)
@@ -156,7 +166,7 @@ def connect(
         channel = PeerChannel(
             link.endpoint(job), f"{job}.{tag.hexdigest()[:8]}", key=key, counters=link.counters
         )
-        group = MqttGroup(channel, members, topology, timeout_s, link=link)
+        group = MqttGroup(channel, members, topology, timeout_s, algorithm=collective, link=link)
     except BaseException:
         link.close()
         raise

@@ -223,10 +223,31 @@ def test_a_dead_broker_is_unreachable_at_once() -> None:
     assert time.monotonic() - start < 2.0  # refused: no waiting out wait_s
 
 
+@pytest.mark.parametrize("collective", ["fanout", "hub"])
+def test_one_step_collectives_reduce_as_the_local_group_does(url: str, collective: str) -> None:
+    vecs = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def agent(name: str) -> tuple[int, str, tuple[torch.Tensor, torch.Tensor]]:
+        with join(url, f"one-{collective}", name, 3, collective=collective,
+                  timeout_s=10.0) as group:  # fmt: skip
+            return group.rank, group.layout, reduce_both(group, vecs[group.rank])
+
+    got = on_threads({n: partial(agent, n) for n in ("b-0", "b-1", "b-2")})
+    groups = fedring.local_group(3, algorithm=collective)
+    local = on_threads({str(r): partial(reduce_both, groups[r], vecs[r]) for r in range(3)})
+    for name, result in got.items():
+        assert not isinstance(result, BaseException), result
+        rank, layout, (dense, topk) = result
+        assert layout == f"{collective} of 3"
+        assert torch.allclose(dense, torch.stack(vecs).mean(0), atol=1e-6)
+        assert torch.equal(topk, local[str(rank)][1]), name  # the same sum, bit for bit
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
         ("world", 0, "world must be a whole number >= 1"),
+        ("collective", "auto", "collective 'auto' must be one of ring, fanout, hub"),
         ("key", b"", "key must be non-empty bytes"),
         ("topology", "star", "topology 'star' must be one of auto, ring, torus"),
         ("agent_id", "coordinator", "reserved for the coordinator"),
