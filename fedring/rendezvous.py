@@ -142,8 +142,10 @@ def connect(
     """
     _check(job, agent_id, world, key, topology, timeout_s, wait_s)
     if collective not in COLLECTIVES:
-        raise ValueError(f"collective {collective!r} must be one of {', '.join(COLLECTIVES)} "
-                         "(auto is planned by the coordinator, from every agent's probe)")  # fmt: skip
+        raise ValueError(
+            f"collective {collective!r} must be one of {', '.join(COLLECTIVES)} (auto is "
+            "planned by the coordinator, from every agent's probe)"
+        )
     started = time.monotonic()
     deadline = Deadline(started + wait_s)
     cfg = broker if isinstance(broker, BrokerConfig) else BrokerConfig.parse(broker)
