@@ -8,7 +8,7 @@ on the fleet, from the boards' profiles:
   (b's sustained HPL GFLOPS, all cores). Optimistic for tiny models, whose steps
   do not spread over four cores.
 - **communication** of one ring step: every agent sends one chunk to the broker and
-  receives one, so it costs the two one-way latencies plus the bytes over the
+  receives one (with `fanout` N-1 payloads down, with `hub` up to N: `step_bytes`), so it costs the two one-way latencies plus the bytes over the
   agent's link; agents on Wi-Fi share one channel (airtime divided by their
   number, up and down both counted), and the broker's own port carries all
   frames in and out at `BROKER_MBPS`. The ring step waits for the slowest agent.
@@ -129,6 +129,18 @@ def ring_steps(layout: str, agents: int) -> int:
     return 2 * (agents - 1)
 
 
+def step_bytes(layout: str, agents: int, sent: float) -> float:
+    """What the busiest link carries in one step, from what an agent sent in it: a
+    ring's chunk goes up and down once; a fan-out member's downlink carries the other
+    N-1 members' payloads; the hub's carries N-1 payloads, then each member's the sum
+    (N payloads at most: an upper bound)."""
+    if layout.startswith("fanout "):
+        return (agents - 1) * sent
+    if layout.startswith("hub "):
+        return agents * sent
+    return sent
+
+
 def step_seconds(fleet: list[Member], chunk_bytes: float) -> float:
     """One ring step: every agent sends and receives `chunk_bytes` through the broker."""
     n = len(fleet)
@@ -152,13 +164,15 @@ def estimate(
     if spec.sync == "async":
         raise FleetError("--fleet: the virtual clock models synchronous rounds, not sync='async'")
     rows = summary["rows"]
-    steps = ring_steps(str(summary.get("layout", "")), spec.agents)
+    layout = str(summary.get("layout", ""))
+    steps = ring_steps(layout, spec.agents)
     compute_per_step = max(host.step_s * host.gflops / m.profile.gflops for m in fleet)
     clock, sent_before, comm_total = 0.0, 0.0, 0.0
     for row in rows:
         sent = float(row["bytes_sent"]) - sent_before  # cumulative per agent in the run
         sent_before = float(row["bytes_sent"])
-        comm = steps * step_seconds(fleet, sent / steps) if steps and sent > 0 else 0.0
+        comm = steps * step_seconds(fleet, step_bytes(layout, spec.agents, sent / steps))
+        comm = comm if steps and sent > 0 else 0.0
         clock += int(row.get("interval", 1) if spec.sync != "sync" else 1) * compute_per_step
         clock += comm
         comm_total += comm

@@ -16,6 +16,7 @@ from fedring.sim.fleet import (
     estimate,
     parse_fleet,
     ring_steps,
+    step_bytes,
     step_seconds,
 )
 
@@ -77,6 +78,24 @@ def test_estimate_adds_compute_of_the_slowest_board_and_the_ring_steps() -> None
         want[1]
     )
     assert got["fleet"] == "rpi4-4gb/ethernet:1,rpi-zero-2w/wifi:1"
+
+
+def test_one_step_collectives_count_the_payloads_each_downlink_carries() -> None:
+    assert step_bytes("fanout of 4", 4, 1000) == 3000  # the other three members' payloads
+    assert step_bytes("hub of 4", 4, 1000) == 4000
+    assert step_bytes("ring of 4", 4, 1000) == 1000
+    spec, host = JobSpec(agents=2), HostSpeed(step_s=0.001, gflops=80.0)
+    fleet = parse_fleet("rpi4/wifi:4")
+    times = {}
+    for layout in ("ring of 4", "fanout of 4"):
+        summary = {**_summary(), "layout": layout}
+        times[layout] = estimate(spec.replace(agents=4), summary, fleet, host)
+    # the same bytes sent: the ring pays 6 steps of one chunk, fanout one step of three
+    assert times["fanout of 4"]["sim_comm_seconds_per_round"] < times["ring of 4"][
+        "sim_comm_seconds_per_round"]  # fmt: skip
+    fan = step_seconds(fleet, 3 * 1000)  # rounds sent 1000, 1000 and 3000 B
+    assert times["fanout of 4"]["sim_comm_seconds_per_round"] * 3 == pytest.approx(
+        fan + fan + step_seconds(fleet, 3 * 3000))  # fmt: skip
 
 
 def test_local_steps_multiply_compute_and_async_is_refused() -> None:
