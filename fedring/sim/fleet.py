@@ -8,7 +8,8 @@ on the fleet, from the boards' profiles:
   (b's sustained HPL GFLOPS, all cores). Optimistic for tiny models, whose steps
   do not spread over four cores.
 - **communication** of one ring step: every agent sends one chunk to the broker and
-  receives one (with `fanout` N-1 payloads down, with `hub` up to N: `step_bytes`), so it costs the two one-way latencies plus the bytes over the
+  receives one (with `fanout` N-1 payloads down, with `hub` up to N: `step_bytes`),
+  so it costs the two one-way latencies plus the bytes over the
   agent's link; agents on Wi-Fi share one channel (airtime divided by their
   number, up and down both counted), and the broker's own port carries all
   frames in and out at `BROKER_MBPS`. The ring step waits for the slowest agent.
