@@ -85,6 +85,7 @@ class _Job:
     done: dict[int, dict[str, Any]] = field(default_factory=dict)
     finals: dict[int, torch.Tensor] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)
+    stopped: set[str] = field(default_factory=set)  # agents whose stage said nack
     step: int = 0  # the furthest step any stage reported
 
     def stage_of(self, agent: str) -> int:
@@ -213,6 +214,7 @@ class PipelineCoordinator:
                     for agent in job.members:
                         self._send(job, agent, "ack", {"epoch": job.epoch, "go": True})
             elif msg.kind == "nack":
+                job.stopped.add(msg.src)
                 self._nacked(job, s, str(msg.doc.get("why", "")), ckpt)
             elif msg.kind == "model":
                 self._on_state(job, s, msg, ckpt, modules)
@@ -238,8 +240,10 @@ class PipelineCoordinator:
         job.step = max(job.step, step)
         if msg.doc.get("final") is True:
             job.finals[s] = flat
-        elif ckpt.add(s, step, flat):
+            return
+        if ckpt.add(s, step, flat):
             log.info("pipeline checkpoint: every stage at step %d", step)
+        self._send(job, msg.src, "ack", {"epoch": job.epoch, "step": step})  # held: send more
 
     # -- failures -----------------------------------------------------------------
 
@@ -257,7 +261,7 @@ class PipelineCoordinator:
             gone = [a for a in job.members if a not in self.link.peers()]
             if gone:
                 self._lost(job, gone[0], "lost", ckpt)
-            self._next(0.1)
+            self._stopping(job, self._next(0.1))
         if why.startswith("refused"):
             self._fail(job, StageFailed, "stage_refused", f"stage {s} (agent {job.members[s]}) "
                        f"{why}", ckpt)  # fmt: skip
@@ -273,20 +277,23 @@ class PipelineCoordinator:
                 else "no complete checkpoint yet")  # fmt: skip
         message = f"pipeline job {job.job}: {why}; {kept}"
         log.error("%s", message)
-        waiting = {a for a in job.members if a != gone and a in self.link.peers()}
-        for agent in waiting:
+        online = {a for a in job.members if a != gone and a in self.link.peers()}
+        for agent in online:
             self._send(job, agent, "bye", {"epoch": job.epoch, "why": "halt"})
         deadline = Deadline.after(self.opts.halt_timeout_s)
-        while waiting and not deadline.expired:
-            item = self._next(0.2)
-            if item is None:
-                continue
-            if item.kind == "member" and item.event is not None and item.event.kind != "joined":
-                waiting.discard(item.src)
-            msg = self._decode(item)
-            if msg is not None and msg.job == job.job and msg.kind in ("nack", "bye"):
-                waiting.discard(msg.src)
+        while online - job.stopped and not deadline.expired:
+            self._stopping(job, self._next(0.2))
         raise kind(message)
+
+    def _stopping(self, job: _Job, item: Control | None) -> None:
+        """Note a stage that stopped (nack, bye) or went, while the job winds down."""
+        if item is not None and item.kind == "member" and item.event is not None:
+            if item.event.kind != "joined":
+                job.stopped.add(item.src)
+            return
+        msg = self._decode(item) if item is not None else None
+        if msg is not None and msg.job == job.job and msg.kind in ("nack", "bye"):
+            job.stopped.add(msg.src)
 
     # -- the end ------------------------------------------------------------------
 

@@ -91,6 +91,25 @@ class _StageRun:
     go: threading.Event = field(default_factory=threading.Event)  # every stage is ready
     thread: threading.Thread | None = None
     endpoint: MqttEndpoint | None = None
+    uploaded: int = -1  # the step of this stage's last checkpoint upload
+    acked: int = -1  # the last step whose upload the coordinator saved
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def saved(self, step: int) -> None:
+        with self.cond:
+            self.acked = max(self.acked, step)
+            self.cond.notify_all()
+
+    def wait_saved(self, patience: float) -> None:
+        """Until the coordinator saved the last upload: uploads never pile up in its
+        inbox faster than it stores them."""
+        deadline = Deadline.after(patience)
+        with self.cond:
+            while self.acked < self.uploaded and not self.halt.is_set():
+                if deadline.expired:
+                    raise CollectiveTimeout(f"stage {self.stage}: no ack of the checkpoint of "
+                                            f"step {self.uploaded}")  # fmt: skip
+                self.cond.wait(min(0.2, deadline.remaining()))
 
     @property
     def channel_job(self) -> str:
@@ -119,8 +138,11 @@ class StageHost:
             return False
         if msg.kind == "model":
             self._on_model(run, msg)
-        elif msg.kind == "ack" and msg.doc.get("go") is True and msg.doc.get("epoch") == run.epoch:
-            run.go.set()
+        elif msg.kind == "ack" and msg.doc.get("epoch") == run.epoch:
+            if msg.doc.get("go") is True:
+                run.go.set()
+            elif type(msg.doc.get("step")) is int:
+                run.saved(msg.doc["step"])
         elif msg.kind == "bye":
             self.halt(f"coordinator said {msg.doc.get('why', '')!r}")
             if msg.doc.get("why") == "done":
@@ -260,6 +282,8 @@ class StageHost:
                 raise Halted(f"{self.me}: halted before step {step}")
             if step > run.start_step and step % spec.checkpoint_every == 0:
                 self._upload(run, step, stage_state(run.module, worker.optimizer), final=False)
+                if run.halt.is_set():
+                    raise Halted(f"{self.me}: halted at step {step}")
             worker.train_step(step, lr.lr_at(step))
             if last:
                 losses.append(worker.losses[-1])
@@ -280,6 +304,8 @@ class StageHost:
         }  # fmt: skip
 
     def _upload(self, run: _StageRun, step: int, flat: torch.Tensor, *, final: bool) -> None:
+        run.wait_saved(3 * run.spec.timeout_s)
+        run.uploaded = step
         doc = {"epoch": run.epoch, "stage": run.stage, "step": step, "final": final,
                "sha256": flat_sha256(flat)}  # fmt: skip
         self.send(run.job, "model", doc, flat_bytes(flat), round=step)

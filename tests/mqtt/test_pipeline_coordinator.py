@@ -81,7 +81,8 @@ def test_three_daemons_train_a_model_no_rpi3_holds_within_budget(
     steps = 120
     out = tmp_path / "big"
     start = time.monotonic()
-    summary = finish(coordinator(broker.url, job(tmp_path, npz, BIG, steps), out), 300)
+    path = job(tmp_path, npz, BIG, steps, checkpoint_every=40)
+    summary = finish(coordinator(broker.url, path, out), 300)
     wall = time.monotonic() - start
     budget = load_builtin("rpi3").ram_budget_mb
     total = sum(s["params"] for s in summary["stages"])
