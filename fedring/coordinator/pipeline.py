@@ -46,7 +46,7 @@ from fedring.firmware_profiles.apply import RUNTIME_MB
 from fedring.pipeline.assignment import plan_from_shapes, stage_state
 from fedring.pipeline.cost import StageSplitError
 from fedring.pipeline.materialize import materialize, meta_layers
-from fedring.pipeline.partition import Board
+from fedring.pipeline.partition import Board, StagePlan
 from fedring.report import atomic_write, jsonl
 from fedring.training.models import flat_bytes, flat_sha256, params_sha256
 from fedring.transport import topics
@@ -60,7 +60,11 @@ BLAME_S = 3.0  # after a stage's nack, how long to look for the member that died
 
 
 class PipelineError(CoordinatorError):
-    """A pipeline job that could not finish."""
+    """A pipeline job that could not finish; `stage` and `agent` name the culprit."""
+
+    def __init__(self, message: str, stage: int = -1, agent: str = "") -> None:
+        super().__init__(message)
+        self.stage, self.agent = stage, agent
 
 
 class StageLost(PipelineError):
@@ -81,10 +85,10 @@ class _Job:
     key: bytes
     members: list[str]  # stage s -> agent
     epoch: int = 0
+    start: int = 0  # the step this epoch starts from (a checkpoint's after a re-formation)
     acks: set[int] = field(default_factory=set)
     done: dict[int, dict[str, Any]] = field(default_factory=dict)
     finals: dict[int, torch.Tensor] = field(default_factory=dict)
-    rows: list[dict[str, Any]] = field(default_factory=list)
     stopped: set[str] = field(default_factory=set)  # agents whose stage said nack
     step: int = 0  # the furthest step any stage reported
 
@@ -101,6 +105,8 @@ class PipelineCoordinator:
         self.codec = ControlCodec(topics.COORDINATOR, counters=self.counters)
         self.link: MqttLink | None = None
         self.hellos: dict[str, dict[str, Any]] = {}
+        self.events: list[dict[str, Any]] = []  # re-formations
+        self.rows: dict[int, dict[str, Any]] = {}  # the last stage's, by step (a redo replaces)
 
     def run(self) -> dict[str, Any]:
         start = time.perf_counter()
@@ -132,25 +138,56 @@ class PipelineCoordinator:
                 raise PipelineError(f"no split of {spec.model} fits the boards: {exc}") from None
             log.info("pipeline plan:\n%s", plan.describe())
             modules = [materialize(layers, st.start, st.end, seed=spec.seed) for st in plan.stages]
-            job = _Job(f"pp-{os.urandom(4).hex()}", os.urandom(32), members)
-            self.codec.key = job.key
             self.opts.out.mkdir(parents=True, exist_ok=True)
             ckpt = files.StageCheckpoints(self.opts.out, s_count)
-            for st, agent in zip(plan.stages, members, strict=True):
-                flat = stage_state(modules[st.index])
-                doc = {"mode": "pipeline", "job": job.job, "epoch": job.epoch,
-                       "key": job.key.hex(), "spec": spec.resolved(), "stage": st.index,
-                       "members": members,
-                       "boards": [[b.name, b.gflops, b.budget_mb] for b in boards],
-                       "starts": [x.start for x in plan.stages], "start_step": 0,
-                       "params_sha256": flat_sha256(flat)}  # fmt: skip
-                self._send(job, agent, "manifest", doc, sign=False)
-                self._send(job, agent, "model", {"epoch": job.epoch, "stage": st.index},
-                           flat_bytes(flat), round=0)  # fmt: skip
-            self._train(job, ckpt, modules)
-            return self._finish(job, plan, modules, task, data, ckpt, time.perf_counter() - start)
+            initial = {st.index: stage_state(modules[st.index]) for st in plan.stages}
+            job = _Job(f"pp-{os.urandom(4).hex()}", os.urandom(32), members)
+            self.codec.key = job.key
+            while True:
+                self._start(job, plan, boards, initial if job.epoch == 0 else ckpt.latest)
+                try:
+                    self._train(job, ckpt)
+                except StageLost as exc:
+                    job = self._reform(job, exc, ckpt)
+                    continue
+                return self._finish(job, plan, modules, task, data, ckpt,
+                                    time.perf_counter() - start)  # fmt: skip
         finally:
             self.link.close("offline")
+
+    def _start(self, job: _Job, plan: StagePlan, boards: list[Board],
+               states: dict[int, torch.Tensor]) -> None:  # fmt: skip
+        """Each stage's manifest, then its own state (initial, or the checkpoint's)."""
+        for st, agent in zip(plan.stages, job.members, strict=True):
+            flat = states[st.index]
+            doc = {"mode": "pipeline", "job": job.job, "epoch": job.epoch, "key": job.key.hex(),
+                   "spec": self.spec.resolved(), "stage": st.index, "members": job.members,
+                   "boards": [[b.name, b.gflops, b.budget_mb] for b in boards],
+                   "starts": [x.start for x in plan.stages], "start_step": job.start,
+                   "params_sha256": flat_sha256(flat)}  # fmt: skip
+            self._send(job, agent, "manifest", doc, sign=False)
+            self._send(job, agent, "model", {"epoch": job.epoch, "stage": st.index},
+                       flat_bytes(flat), round=job.start)  # fmt: skip
+
+    def _reform(self, job: _Job, exc: StageLost, ckpt: files.StageCheckpoints) -> _Job:
+        """A spare board (enrolled, not a member) takes the lost stage; every stage rolls
+        back to the last complete checkpoint. Without a spare, or one, the job fails."""
+        spares = sorted(self._ready() - set(job.members))
+        if not spares or ckpt.step < 0 or job.epoch + 1 >= self.opts.max_epochs:
+            why = ("no spare board is enrolled" if not spares
+                   else "no complete checkpoint to re-form from" if ckpt.step < 0
+                   else f"gave up after {job.epoch + 1} epochs")  # fmt: skip
+            raise StageLost(f"{exc}; {why}", exc.stage, exc.agent) from None
+        members = list(job.members)
+        members[exc.stage] = spares[0]
+        ckpt.pending.clear()  # the dead epoch's partial sets: never mixed with the next's
+        self.counters.add("pipeline_reformed")
+        why = (f"stage {exc.stage}: {exc.agent} lost, {spares[0]} takes it; every stage rolls "
+               f"back to step {ckpt.step}")  # fmt: skip
+        log.warning("pipeline job %s re-forms: %s", job.job, why)
+        self.events.append({"t": time.time(), "epoch": job.epoch, "why": why})
+        return _Job(job.job, job.key, members, epoch=job.epoch + 1, start=ckpt.step,
+                    step=ckpt.step)  # fmt: skip
 
     # -- enrolment ----------------------------------------------------------------
 
@@ -180,7 +217,7 @@ class PipelineCoordinator:
 
     # -- training -----------------------------------------------------------------
 
-    def _train(self, job: _Job, ckpt: files.StageCheckpoints, modules: list[Any]) -> None:
+    def _train(self, job: _Job, ckpt: files.StageCheckpoints) -> None:
         """Until every stage said bye with its final state; a typed error otherwise."""
         stall = self.opts.stall_s or 3 * self.spec.timeout_s
         acks_by = Deadline.after(self.opts.ack_timeout_s)
@@ -217,19 +254,19 @@ class PipelineCoordinator:
                 job.stopped.add(msg.src)
                 self._nacked(job, s, str(msg.doc.get("why", "")), ckpt)
             elif msg.kind == "model":
-                self._on_state(job, s, msg, ckpt, modules)
+                self._on_state(job, s, msg, ckpt)
             elif msg.kind == "metrics":
                 job.step = max(job.step, int(number(msg.doc.get("round"))))
                 row = {k: v for k, v in msg.doc.items() if k != "epoch"}
-                job.rows.append(row)
+                self.rows[int(number(row.get("round")))] = row
                 append_row(self.opts.out, row)
                 if self.opts.on_round is not None:
                     self.opts.on_round(int(row.get("round", 1)) - 1, row)
             elif msg.kind == "bye":
                 job.done[s] = msg.doc
 
-    def _on_state(self, job: _Job, s: int, msg: ControlMessage, ckpt: files.StageCheckpoints,
-                  modules: list[Any]) -> None:  # fmt: skip
+    def _on_state(self, job: _Job, s: int, msg: ControlMessage,
+                  ckpt: files.StageCheckpoints) -> None:  # fmt: skip
         if len(msg.blob) % 4 or hashlib.sha256(msg.blob).hexdigest() != msg.doc.get("sha256"):
             self.counters.add("stage_state_bad_sha256")
             self._fail(job, StageFailed, "stage_state_bad_sha256",
@@ -250,7 +287,7 @@ class PipelineCoordinator:
     def _lost(self, job: _Job, agent: str, kind: str, ckpt: files.StageCheckpoints) -> None:
         s = job.stage_of(agent)
         self._fail(job, StageLost, "stage_lost", f"stage {s} (agent {agent}) {kind} near step "
-                   f"{job.step}", ckpt, gone=agent)  # fmt: skip
+                   f"{job.step}", ckpt, gone=agent, stage=s)  # fmt: skip
 
     def _nacked(self, job: _Job, s: int, why: str, ckpt: files.StageCheckpoints) -> None:
         """A stage stopped: blame the member that died, if one did (its neighbours see
@@ -264,12 +301,12 @@ class PipelineCoordinator:
             self._stopping(job, self._next(0.1))
         if why.startswith("refused"):
             self._fail(job, StageFailed, "stage_refused", f"stage {s} (agent {job.members[s]}) "
-                       f"{why}", ckpt)  # fmt: skip
+                       f"{why}", ckpt, stage=s)  # fmt: skip
         self._fail(job, StageFailed, "stage_failed", f"stage {s} (agent {job.members[s]}) "
-                   f"stopped near step {job.step}: {why}", ckpt)  # fmt: skip
+                   f"stopped near step {job.step}: {why}", ckpt, stage=s)  # fmt: skip
 
     def _fail(self, job: _Job, kind: type[PipelineError], counter: str, why: str,
-              ckpt: files.StageCheckpoints, gone: str = "") -> None:  # fmt: skip
+              ckpt: files.StageCheckpoints, gone: str = "", stage: int = -1) -> None:  # fmt: skip
         """Halt the other stages (bounded), log, count, and raise `kind`."""
         assert self.link is not None
         self.counters.add(counter)
@@ -283,7 +320,7 @@ class PipelineCoordinator:
         deadline = Deadline.after(self.opts.halt_timeout_s)
         while online - job.stopped and not deadline.expired:
             self._stopping(job, self._next(0.2))
-        raise kind(message)
+        raise kind(message, stage, gone)
 
     def _stopping(self, job: _Job, item: Control | None) -> None:
         """Note a stage that stopped (nack, bye) or went, while the job winds down."""
@@ -317,13 +354,14 @@ class PipelineCoordinator:
             "bubble_fraction": files.bubble(plan, job.done),
             "bytes_sent_per_agent": sum(number(d.get("bytes_sent")) for d in job.done.values())
             / len(job.members),
+            "epochs": job.epoch + 1, "reformations": job.epoch, "events": self.events,
             "checkpoint_step": ckpt.step, "checkpoint_dir": str(ckpt.dir),
             "model": str(out / "model.pt"), "wall_seconds": wall,
         }  # fmt: skip
         if self.opts.export_onnx:
             summary["onnx"] = files.export(model, data.feature_shape, out, self.counters)
         summary["coordinator_counters"] = self.counters.snapshot()
-        atomic_write(out / "metrics.jsonl", jsonl(job.rows))
+        atomic_write(out / "metrics.jsonl", jsonl([self.rows[r] for r in sorted(self.rows)]))
         atomic_write(out / "summary.json", _dumps(summary))
         return summary
 

@@ -52,6 +52,7 @@ class StageCheckpoints:
         self.count = count
         self.pending: dict[int, dict[int, torch.Tensor]] = {}
         self.step = -1  # the last complete step on disk
+        self.latest: dict[int, torch.Tensor] = {}  # its states, by stage
 
     def add(self, stage: int, step: int, flat: torch.Tensor) -> bool:
         """Keep stage `stage`'s state at the start of `step`; True when that completes a set."""
@@ -65,7 +66,7 @@ class StageCheckpoints:
         for s, state in sorted(got.items()):
             _save({"stage": s, "step": step, "state": state}, self.dir / f"stage{s}.pt")
         atomic_write(self.dir / "step.json", json.dumps({"step": step, "stages": self.count}))
-        self.step = step
+        self.step, self.latest = step, dict(got)
         self.pending = {k: v for k, v in self.pending.items() if k > step}
         return True
 

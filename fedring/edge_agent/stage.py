@@ -40,7 +40,12 @@ from fedring.engine.reducer import ReducerSettings
 from fedring.engine.sampler import ShardSampler
 from fedring.engine.task import Task, TaskError
 from fedring.firmware_profiles.schema import Profile
-from fedring.pipeline.assignment import load_stage_state, plan_from_shapes, stage_state
+from fedring.pipeline.assignment import (
+    load_stage_state,
+    plan_from_shapes,
+    stage_state,
+    state_numel,
+)
 from fedring.pipeline.cost import StageSplitError
 from fedring.pipeline.grid import GridWorker, PipelineSettings, ShardBatches, build_worker
 from fedring.pipeline.materialize import materialize, meta_layers
@@ -91,6 +96,7 @@ class _StageRun:
     go: threading.Event = field(default_factory=threading.Event)  # every stage is ready
     thread: threading.Thread | None = None
     endpoint: MqttEndpoint | None = None
+    state: torch.Tensor | None = None  # to start from: initial, or a checkpoint's
     uploaded: int = -1  # the step of this stage's last checkpoint upload
     acked: int = -1  # the last step whose upload the coordinator saved
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -208,16 +214,14 @@ class StageHost:
             self.counters.add("model_unexpected")
             return
         flat = torch.frombuffer(bytearray(msg.blob), dtype=torch.float32)
+        sizes = (state_numel(run.module, False), state_numel(run.module, True))
         why = ""
         if flat_sha256(flat) != run.params_sha256:
             self.counters.add("model_bad_sha256")
-            why = "refused: the stage's initial parameters do not match the manifest's sha256"
-        else:
-            try:
-                load_stage_state(run.module, flat)
-            except ValueError as exc:
-                self.counters.add("model_bad_shape")
-                why = f"refused: {exc}"
+            why = "refused: the stage's state does not match the manifest's sha256"
+        elif flat.numel() not in sizes:
+            self.counters.add("model_bad_shape")
+            why = f"refused: a state of {flat.numel()} values for a stage of {sizes}"
         if why:
             log.error("%s: %s", self.me, why)
             self.send(run.job, "nack", {"epoch": run.epoch, "why": why})
@@ -227,6 +231,7 @@ class StageHost:
         # Open now: the neighbours' frames are held from here on, and the coordinator
         # says "go" only once every stage has acknowledged, so none is dropped.
         run.endpoint = self.link.endpoint(run.channel_job)
+        run.state = flat
         run.thread = threading.Thread(target=self._body, args=(run,), daemon=True,
                                       name=f"{self.me}-stage{run.stage}")  # fmt: skip
         self.send(run.job, "ack", {"epoch": run.epoch, "stage": run.stage})
@@ -271,6 +276,9 @@ class StageHost:
         reset_peak_rss()
         channel = PeerChannel(endpoint, run.channel_job, key=self.codec.key, counters=self.counters)
         worker = self._worker(run, channel)
+        assert run.state is not None
+        load_stage_state(run.module, run.state, worker.optimizer)  # with its momentum, if any
+        run.state = None
         lr = LrSchedule(base_lr=spec.lr, scaling=spec.lr_scaling, n_agents=1,
                         batch_size=spec.batch_size, ref_batch=spec.ref_batch,
                         warmup_steps=spec.warmup_steps)  # fmt: skip

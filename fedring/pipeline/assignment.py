@@ -92,12 +92,15 @@ def state_numel(module: nn.Module, with_momentum: bool) -> int:
 def load_stage_state(
     module: nn.Module, flat: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
-    """Copy `flat` (as `stage_state` made it) into `module` and the optimizer's buffers."""
+    """Copy `flat` (as `stage_state` made it) into `module` and the optimizer's buffers;
+    a state without momentum (an initial one) leaves the optimizer as it is."""
     state = module.state_dict()
     momenta = _momenta(module, optimizer)
-    want = state_numel(module, bool(momenta))
-    if flat.numel() != want:
-        raise StateMismatch(f"stage state of {flat.numel()} values, the stage holds {want}")
+    bare, full = state_numel(module, False), state_numel(module, bool(momenta))
+    if flat.numel() not in (bare, full):
+        raise StateMismatch(f"stage state of {flat.numel()} values, the stage holds {full}")
+    if flat.numel() == bare:
+        momenta = []
     i = 0
     with torch.no_grad():
         for t in state.values():
