@@ -20,7 +20,6 @@ the daemon stays up for the next job.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -49,6 +48,7 @@ from fedring.pipeline.assignment import (
 from fedring.pipeline.cost import StageSplitError
 from fedring.pipeline.grid import GridWorker, PipelineSettings, ShardBatches, build_worker
 from fedring.pipeline.materialize import materialize, meta_layers
+from fedring.pipeline.memory import peak_rss_mb, reset_peak_rss, return_freed_memory
 from fedring.pipeline.partition import Board, StagePlan
 from fedring.pipeline.stage import WireSettings
 from fedring.training.datasets import Dataset, DatasetError
@@ -62,21 +62,6 @@ from fedring.wire.control import ControlCodec, ControlMessage
 log = logging.getLogger(__name__)
 SEND_S = 30.0
 Send = Callable[..., None]  # the daemon's `_send(job, kind, doc, blob=b"", *, round=0)`
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set since the last `reset_peak_rss` (VmHWM), MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def reset_peak_rss() -> None:
-    """Start VmHWM afresh (Linux >= 4.0), so a job's peak is its own, not a long-running
-    daemon's earlier jobs'."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
 
 
 @dataclass
@@ -273,6 +258,7 @@ class StageHost:
                 raise Halted(f"{self.me}: halted before the first step")
             if ready.expired:
                 raise CollectiveTimeout(f"{self.me}: no word to start from the coordinator")
+        return_freed_memory()  # process-wide, and harmless to the daemon's other work
         reset_peak_rss()
         channel = PeerChannel(endpoint, run.channel_job, key=self.codec.key, counters=self.counters)
         worker = self._worker(run, channel)
