@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +39,15 @@ from fedring.config import JobSpec
 from fedring.coordinator import pipeline_files as files
 from fedring.coordinator.membership import number
 from fedring.coordinator.outputs import append_row
-from fedring.coordinator.service import CoordinatorError, Options
+from fedring.coordinator.pipeline_fleet import (
+    PipelineError,
+    StageFailed,
+    StageFleet,
+    StageLost,
+    StageStalled,
+    refused,
+)
+from fedring.coordinator.service import Options
 from fedring.counters import Counters
 from fedring.firmware_profiles.apply import RUNTIME_MB
 from fedring.pipeline.assignment import plan_from_shapes, stage_state
@@ -49,34 +56,13 @@ from fedring.pipeline.materialize import materialize, meta_layers
 from fedring.pipeline.partition import Board, StagePlan
 from fedring.report import atomic_write, jsonl
 from fedring.training.models import flat_bytes, flat_sha256, params_sha256
-from fedring.transport import topics
-from fedring.transport.base import Deadline, TransportError
-from fedring.transport.mqtt import BrokerConfig, Control, MqttLink
-from fedring.wire.control import ControlCodec, ControlMessage
+from fedring.transport.base import Deadline
+from fedring.transport.mqtt import BrokerConfig, Control
+from fedring.wire.control import ControlMessage
 
+__all__ = ["PipelineCoordinator", "PipelineError", "StageFailed", "StageLost", "StageStalled"]
 log = logging.getLogger(__name__)
-SEND_S = 30.0
 BLAME_S = 3.0  # after a stage's nack, how long to look for the member that died
-
-
-class PipelineError(CoordinatorError):
-    """A pipeline job that could not finish; `stage` and `agent` name the culprit."""
-
-    def __init__(self, message: str, stage: int = -1, agent: str = "") -> None:
-        super().__init__(message)
-        self.stage, self.agent = stage, agent
-
-
-class StageLost(PipelineError):
-    """A stage's agent went away (last-will, silence) mid-job."""
-
-
-class StageFailed(PipelineError):
-    """A stage stopped with an error (its ``nack``), or refused the job."""
-
-
-class StageStalled(PipelineError):
-    """No word from any stage for longer than the job allows."""
 
 
 @dataclass
@@ -102,9 +88,7 @@ class PipelineCoordinator:
             raise ValueError("a pipeline job has pipeline_stages >= 2")
         self.spec, self.cfg, self.opts = spec, cfg, opts
         self.counters = Counters()
-        self.codec = ControlCodec(topics.COORDINATOR, counters=self.counters)
-        self.link: MqttLink | None = None
-        self.hellos: dict[str, dict[str, Any]] = {}
+        self.fleet = StageFleet(cfg, self.counters)
         self.events: list[dict[str, Any]] = []  # re-formations
         self.rows: dict[int, dict[str, Any]] = {}  # the last stage's, by step (a redo replaces)
 
@@ -112,37 +96,36 @@ class PipelineCoordinator:
         start = time.perf_counter()
         spec, s_count = self.spec, self.spec.pipeline_stages
         if spec.agents != s_count:
-            raise PipelineError(f"field 'agents'={spec.agents}: a pipeline job through the "
-                                f"coordinator runs D = 1 (agents = pipeline_stages = {s_count}); "
-                                "D > 1 runs in `fedring simulate` only")  # fmt: skip
+            why = (f"field 'agents'={spec.agents}: a pipeline job through the coordinator runs "
+                   f"D = 1 (agents = pipeline_stages = {s_count}); D > 1 runs in `fedring "
+                   "simulate` only")  # fmt: skip
+            raise refused(self.counters, "pipeline_refused", why)
         if spec.task:
-            raise PipelineError(f"field 'task'={spec.task!r}: pipeline jobs through the "
-                                "coordinator take a built-in model (field 'model')")
+            why = (f"field 'task'={spec.task!r}: pipeline jobs through the coordinator take a "
+                   "built-in model (field 'model')")  # fmt: skip
+            raise refused(self.counters, "pipeline_refused", why)
         task = task_of(spec)
         data = task.dataset(spec.seed)
         layers = meta_layers(spec.model, data.feature_shape, data.num_classes)
-        self.link = MqttLink(
-            self.cfg, topics.COORDINATOR, control_from=("*",), listen_hellos=True, watch=True,
-            counters=self.counters,
-        ).connect()  # fmt: skip
+        self.fleet.link.connect()
         try:
-            members = self._enrol(s_count)
-            boards = [self._board(a) for a in members]
+            members = self.fleet.enrol(s_count, self.opts.enrol_timeout_s)
+            boards = [self.fleet.board(a) for a in members]
             try:
                 plan = plan_from_shapes(
                     layers, data.feature_shape, boards, batch_size=spec.batch_size,
                     micro_batches=spec.micro_batches, schedule=spec.pipeline_schedule,
                 )  # fmt: skip
             except StageSplitError as exc:
-                self.counters.add("pipeline_no_split")
-                raise PipelineError(f"no split of {spec.model} fits the boards: {exc}") from None
+                why = f"no split of {spec.model} fits the boards: {exc}"
+                raise refused(self.counters, "pipeline_no_split", why) from None
             log.info("pipeline plan:\n%s", plan.describe())
             modules = [materialize(layers, st.start, st.end, seed=spec.seed) for st in plan.stages]
             self.opts.out.mkdir(parents=True, exist_ok=True)
             ckpt = files.StageCheckpoints(self.opts.out, s_count)
             initial = {st.index: stage_state(modules[st.index]) for st in plan.stages}
             job = _Job(f"pp-{os.urandom(4).hex()}", os.urandom(32), members)
-            self.codec.key = job.key
+            self.fleet.codec.key = job.key
             while True:
                 self._start(job, plan, boards, initial if job.epoch == 0 else ckpt.latest)
                 try:
@@ -153,7 +136,7 @@ class PipelineCoordinator:
                 return self._finish(job, plan, modules, task, data, ckpt,
                                     time.perf_counter() - start)  # fmt: skip
         finally:
-            self.link.close("offline")
+            self.fleet.link.close("offline")
 
     def _start(self, job: _Job, plan: StagePlan, boards: list[Board],
                states: dict[int, torch.Tensor]) -> None:  # fmt: skip
@@ -165,14 +148,14 @@ class PipelineCoordinator:
                    "boards": [[b.name, b.gflops, b.budget_mb] for b in boards],
                    "starts": [x.start for x in plan.stages], "start_step": job.start,
                    "params_sha256": flat_sha256(flat)}  # fmt: skip
-            self._send(job, agent, "manifest", doc, sign=False)
-            self._send(job, agent, "model", {"epoch": job.epoch, "stage": st.index},
+            self.fleet.send(job.job, agent, "manifest", doc, sign=False)
+            self.fleet.send(job.job, agent, "model", {"epoch": job.epoch, "stage": st.index},
                        flat_bytes(flat), round=job.start)  # fmt: skip
 
     def _reform(self, job: _Job, exc: StageLost, ckpt: files.StageCheckpoints) -> _Job:
         """A spare board (enrolled, not a member) takes the lost stage; every stage rolls
         back to the last complete checkpoint. Without a spare, or one, the job fails."""
-        spares = sorted(self._ready() - set(job.members))
+        spares = sorted(self.fleet.ready() - set(job.members))
         if not spares or ckpt.step < 0 or job.epoch + 1 >= self.opts.max_epochs:
             why = ("no spare board is enrolled" if not spares
                    else "no complete checkpoint to re-form from" if ckpt.step < 0
@@ -188,32 +171,6 @@ class PipelineCoordinator:
         self.events.append({"t": time.time(), "epoch": job.epoch, "why": why})
         return _Job(job.job, job.key, members, epoch=job.epoch + 1, start=ckpt.step,
                     step=ckpt.step)  # fmt: skip
-
-    # -- enrolment ----------------------------------------------------------------
-
-    def _enrol(self, want: int) -> list[str]:
-        deadline = Deadline.after(self.opts.enrol_timeout_s)
-        log.info("waiting for %d agents on %s", want, self.cfg.url)
-        while len(self._ready()) < want:
-            if deadline.expired:
-                have = sorted(self._ready())
-                raise PipelineError(f"only {len(have)} of {want} agents enrolled within "
-                                    f"{self.opts.enrol_timeout_s:g} s: {have}")  # fmt: skip
-            self._next(0.2)
-        members = sorted(self._ready())[:want]  # by id: the same stages for the same fleet
-        log.info("pipeline: stages on %s", members)
-        return members
-
-    def _ready(self) -> set[str]:
-        assert self.link is not None
-        return set(self.hellos) & set(self.link.peers())
-
-    def _board(self, agent: str) -> Board:
-        profile = self.hellos[agent].get("profile")
-        p = profile if isinstance(profile, dict) else {}
-        budget = number(p.get("ram_budget_mb")) or float("inf")  # no profile: no budget known
-        return Board(str(p.get("profile") or p.get("name") or "generic"),
-                     number(p.get("gflops")) or 1.0, budget)  # fmt: skip
 
     # -- training -----------------------------------------------------------------
 
@@ -231,14 +188,14 @@ class PipelineCoordinator:
             if progress.expired:
                 self._fail(job, StageStalled, "stage_stalled", f"no word from any stage for "
                            f"{stall:g} s (last step {job.step})", ckpt)  # fmt: skip
-            item = self._next(0.5)
+            item = self.fleet.next(0.5)
             if item is None:
                 continue
             if item.kind == "member" and item.event is not None:
                 if item.src in job.members and item.event.kind in ("lost", "left"):
                     self._lost(job, item.src, item.event.kind, ckpt)
                 continue
-            msg = self._decode(item)
+            msg = self.fleet.decode(item)
             if msg is None or msg.job != job.job or msg.doc.get("epoch") != job.epoch:
                 continue
             s = job.stage_of(msg.src)
@@ -249,7 +206,7 @@ class PipelineCoordinator:
                 job.acks.add(s)
                 if len(job.acks) == s_count:  # every stage holds its layers and listens
                     for agent in job.members:
-                        self._send(job, agent, "ack", {"epoch": job.epoch, "go": True})
+                        self.fleet.send(job.job, agent, "ack", {"epoch": job.epoch, "go": True})
             elif msg.kind == "nack":
                 job.stopped.add(msg.src)
                 self._nacked(job, s, str(msg.doc.get("why", "")), ckpt)
@@ -280,7 +237,8 @@ class PipelineCoordinator:
             return
         if ckpt.add(s, step, flat):
             log.info("pipeline checkpoint: every stage at step %d", step)
-        self._send(job, msg.src, "ack", {"epoch": job.epoch, "step": step})  # held: send more
+        # Saved: that stage may send its next upload.
+        self.fleet.send(job.job, msg.src, "ack", {"epoch": job.epoch, "step": step})
 
     # -- failures -----------------------------------------------------------------
 
@@ -292,13 +250,12 @@ class PipelineCoordinator:
     def _nacked(self, job: _Job, s: int, why: str, ckpt: files.StageCheckpoints) -> None:
         """A stage stopped: blame the member that died, if one did (its neighbours see
         its last-will as soon as we do), else the stage that said so."""
-        assert self.link is not None
         deadline = Deadline.after(BLAME_S)
         while not deadline.expired:
-            gone = [a for a in job.members if a not in self.link.peers()]
+            gone = [a for a in job.members if not self.fleet.online(a)]
             if gone:
                 self._lost(job, gone[0], "lost", ckpt)
-            self._stopping(job, self._next(0.1))
+            self._stopping(job, self.fleet.next(0.1))
         if why.startswith("refused"):
             self._fail(job, StageFailed, "stage_refused", f"stage {s} (agent {job.members[s]}) "
                        f"{why}", ckpt, stage=s)  # fmt: skip
@@ -308,18 +265,17 @@ class PipelineCoordinator:
     def _fail(self, job: _Job, kind: type[PipelineError], counter: str, why: str,
               ckpt: files.StageCheckpoints, gone: str = "", stage: int = -1) -> None:  # fmt: skip
         """Halt the other stages (bounded), log, count, and raise `kind`."""
-        assert self.link is not None
         self.counters.add(counter)
         kept = (f"last complete checkpoint: step {ckpt.step} in {ckpt.dir}" if ckpt.step >= 0
                 else "no complete checkpoint yet")  # fmt: skip
         message = f"pipeline job {job.job}: {why}; {kept}"
         log.error("%s", message)
-        online = {a for a in job.members if a != gone and a in self.link.peers()}
+        online = {a for a in job.members if a != gone and self.fleet.online(a)}
         for agent in online:
-            self._send(job, agent, "bye", {"epoch": job.epoch, "why": "halt"})
+            self.fleet.send(job.job, agent, "bye", {"epoch": job.epoch, "why": "halt"})
         deadline = Deadline.after(self.opts.halt_timeout_s)
         while online - job.stopped and not deadline.expired:
-            self._stopping(job, self._next(0.2))
+            self._stopping(job, self.fleet.next(0.2))
         raise kind(message, stage, gone)
 
     def _stopping(self, job: _Job, item: Control | None) -> None:
@@ -328,7 +284,7 @@ class PipelineCoordinator:
             if item.event.kind != "joined":
                 job.stopped.add(item.src)
             return
-        msg = self._decode(item) if item is not None else None
+        msg = self.fleet.decode(item) if item is not None else None
         if msg is not None and msg.job == job.job and msg.kind in ("nack", "bye"):
             job.stopped.add(msg.src)
 
@@ -337,7 +293,7 @@ class PipelineCoordinator:
     def _finish(self, job: _Job, plan: Any, modules: list[Any], task: Any, data: Any,
                 ckpt: files.StageCheckpoints, wall: float) -> dict[str, Any]:  # fmt: skip
         for agent in job.members:
-            self._send(job, agent, "bye", {"epoch": job.epoch, "why": "done"})
+            self.fleet.send(job.job, agent, "bye", {"epoch": job.epoch, "why": "done"})
         out = self.opts.out
         model = files.reassemble(modules, job.finals)
         files.write_models(out, modules, model)
@@ -364,36 +320,6 @@ class PipelineCoordinator:
         atomic_write(out / "metrics.jsonl", jsonl([self.rows[r] for r in sorted(self.rows)]))
         atomic_write(out / "summary.json", _dumps(summary))
         return summary
-
-    # -- plumbing -----------------------------------------------------------------
-
-    def _send(self, job: _Job, dst: str, kind: str, doc: dict[str, Any], blob: bytes = b"", *,
-              round: int = 0, sign: bool = True) -> None:  # fmt: skip
-        assert self.link is not None
-        try:
-            for frame in self.codec.encode(kind, job.job, dst, doc, blob, round=round, sign=sign):
-                self.link.send_to(job.job, dst, frame, Deadline.after(SEND_S))
-        except TransportError as exc:
-            self.counters.add("send_failed")
-            log.warning("could not send %s to %s: %s", kind, dst, exc)
-
-    def _next(self, timeout: float) -> Control | None:
-        assert self.link is not None
-        try:
-            item = self.link.control.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if item.kind == "hello":
-            codec = ControlCodec(topics.COORDINATOR, counters=self.counters)
-            msg = codec.decode(item.src, item.data)
-            if msg is not None and msg.kind == "hello":
-                self.hellos[item.src] = msg.doc
-        return item
-
-    def _decode(self, item: Control) -> ControlMessage | None:
-        if item.kind not in ("frame", "metrics"):
-            return None
-        return self.codec.decode(item.src, item.data)
 
 
 def _dumps(summary: dict[str, Any]) -> str:

@@ -228,9 +228,11 @@ class StageHost:
         try:
             self.send(run.job, "bye", self._train(run))
         except CollectiveError as exc:
+            self.counters.add("stage_stopped")
             log.warning("%s: stage %d stopped: %s: %s", self.me, run.stage, type(exc).__name__, exc)
             self.send(run.job, "nack", {"epoch": run.epoch, "why": f"{type(exc).__name__}: {exc}"})
         except Exception as exc:  # a bug or a bad job: report it, keep the daemon up
+            self.counters.add("stage_error")
             log.exception("%s: stage %d failed", self.me, run.stage)
             self.send(run.job, "nack", {"epoch": run.epoch, "why": f"error: {exc}"})
 
