@@ -192,6 +192,18 @@ def test_a_job_file_for_d_greater_than_one_is_refused_naming_the_field(
     assert code == 1 and "field 'agents'=6" in log, log[-1000:]
 
 
+def test_a_model_no_split_of_fits_the_boards_is_refused_naming_stage_and_budget(
+    broker: Mosquitto, stages: Fleet, npz: str, tmp_path: Path
+) -> None:
+    path = job(tmp_path, npz, "mlp:8192x8192", 10)  # one 67 M-parameter layer
+    proc = coordinator(broker.url, path, tmp_path / "huge", "--no-onnx")
+    code = proc.wait(60)
+    log = " ".join((tmp_path / "huge-coordinator.log").read_text().split())
+    print(log[-300:])
+    assert code == 1 and "no split of mlp:8192x8192 fits the boards" in log, log[-1000:]
+    assert "its budget is 422 MB" in log
+
+
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     torch.set_num_threads(1)
