@@ -150,7 +150,7 @@ class PipelineCoordinator:
                    "params_sha256": flat_sha256(flat)}  # fmt: skip
             self.fleet.send(job.job, agent, "manifest", doc, sign=False)
             self.fleet.send(job.job, agent, "model", {"epoch": job.epoch, "stage": st.index},
-                       flat_bytes(flat), round=job.start)  # fmt: skip
+                            flat_bytes(flat), round=job.start)  # fmt: skip
 
     def _reform(self, job: _Job, exc: StageLost, ckpt: files.StageCheckpoints) -> _Job:
         """A spare board (enrolled, not a member) takes the lost stage; every stage rolls
@@ -221,11 +221,15 @@ class PipelineCoordinator:
                     self.opts.on_round(int(row.get("round", 1)) - 1, row)
             elif msg.kind == "bye":
                 job.done[s] = msg.doc
+        for s, flat in job.finals.items():  # the state uploaded is the one the stage ended with
+            if flat_sha256(flat) != job.done[s].get("sha256"):
+                self._fail(job, StageFailed, "stage_final_mismatch", f"stage {s} "
+                           f"({job.members[s]}): its final upload is not the state it reports",
+                           ckpt, stage=s)  # fmt: skip
 
     def _on_state(self, job: _Job, s: int, msg: ControlMessage,
                   ckpt: files.StageCheckpoints) -> None:  # fmt: skip
         if len(msg.blob) % 4 or hashlib.sha256(msg.blob).hexdigest() != msg.doc.get("sha256"):
-            self.counters.add("stage_state_bad_sha256")
             self._fail(job, StageFailed, "stage_state_bad_sha256",
                        f"stage {s} ({job.members[s]}) sent a state whose sha256 does not match",
                        ckpt)  # fmt: skip
