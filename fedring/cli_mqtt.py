@@ -184,16 +184,24 @@ def coordinator_run(
         True, "--onnx/--no-onnx", help="Export OUT/model.onnx at the end, checked with ORT."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
+    pipeline_stages: int = typer.Option(
+        0, "--pipeline-stages", min=0, max=64,
+        help="Model parallelism: cut the model into S stages, one per agent (sets the job's "
+        "pipeline_stages and agents to S; docs/pipeline.md). [the job file's]",
+    ),
 ) -> None:
     """Enrol agents, shard the data, run the rounds, checkpoint every round, report."""
     from fedring.config import JobSpec
     from fedring.coordinator.checkpoint import CheckpointError
+    from fedring.coordinator.pipeline import PipelineCoordinator
     from fedring.coordinator.service import Coordinator, CoordinatorError, Options
     from fedring.transport.mqtt import BrokerRefused, BrokerUnreachable
 
     cfg = broker_config(broker, username, password_file, ca, cert, key, keepalive)
     try:
         spec = JobSpec.from_toml(job_file)
+        if pipeline_stages:
+            spec = spec.replace(pipeline_stages=pipeline_stages, agents=pipeline_stages)
     except ValueError as exc:
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
@@ -207,8 +215,9 @@ def coordinator_run(
 
         opts = Options(out=out, min_agents=min_agents, enrol_timeout_s=enrol_timeout,
                        resume=resume, export_onnx=onnx, on_round=tick)  # fmt: skip
+        piped = spec.pipeline_stages > 1  # one stage per agent: `coordinator.pipeline`
         try:
-            summary = Coordinator(spec, cfg, opts).run()
+            summary = (PipelineCoordinator if piped else Coordinator)(spec, cfg, opts).run()
         except CheckpointError as exc:
             err.print(f"[red]error: {escape(str(exc))}[/red]")
             raise typer.Exit(2) from None
@@ -217,6 +226,14 @@ def coordinator_run(
             raise typer.Exit(1) from None
     if as_json:
         typer.echo(json.dumps(summary, sort_keys=True))
+    elif piped:
+        err.print(summary["plan_text"])
+        err.print(
+            f"job {summary['job']}: accuracy {summary['final_accuracy']:.4f} after "
+            f"{summary['rounds']} steps, {len(summary['members'])} stages, bubble "
+            f"{summary['bubble_fraction']:.3f}, model sha256 {summary['model_sha256'][:16]}; "
+            f"{out}/summary.json"
+        )
     else:
         err.print(
             f"job {summary['job']}: accuracy {summary['final_accuracy']:.4f} after "

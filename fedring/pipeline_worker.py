@@ -21,7 +21,6 @@ with a typed error on stderr and exit status 3; nothing waits without one.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import sys
@@ -41,6 +40,7 @@ from fedring.engine.sampler import ShardSampler
 from fedring.firmware_profiles.schema import load_builtin
 from fedring.pipeline.grid import PipelineSettings, ShardBatches, build_worker, worker_name
 from fedring.pipeline.materialize import balanced_starts, materialize, meta_layers, traced_costs
+from fedring.pipeline.memory import peak_rss_mb, return_freed_memory
 from fedring.pipeline.partition import Board, StagePlan, split_at
 from fedring.pipeline.stage import WireSettings
 from fedring.training.datasets import load_dataset
@@ -49,29 +49,6 @@ from fedring.transport.mqtt import BrokerConfig, MqttLink
 
 EXIT_NEIGHBOUR = 3  # a neighbour died, left or stayed silent past the deadline
 EXIT_USAGE = 2
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set (VmHWM), in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    import resource  # not Linux: ru_maxrss is KiB on Linux, bytes on macOS
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def return_freed_memory() -> None:
-    """Serve allocations of 1 MiB and more with their own mappings (glibc), so that
-    freed tensors go back to the OS at once. glibc's default raises that threshold
-    each time such a block is freed, after which autograd's per-micro-batch weight
-    gradients come from the heap and fragment it: measured, 441 MB peak instead of
-    394 MB for a 4.2 M-parameter stage. No effect off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def parser() -> argparse.ArgumentParser:

@@ -35,6 +35,7 @@ from fedring.collective.fanout import COLLECTIVES
 from fedring.compression.probe import codec_cost
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
+from fedring.edge_agent.stage import StageHost
 from fedring.edge_agent.worker import Halted, JobRefused, JobWorker, Segment
 from fedring.firmware_profiles.apply import runtime_rss
 from fedring.firmware_profiles.schema import Profile
@@ -114,6 +115,8 @@ class AgentDaemon:
         self.jobs_done = 0
         self.machine = os.environ.get(MACHINE_ENV) or platform.machine()
         self.inject_drift = _env_float(DRIFT_ENV)
+        self.stages = StageHost(me, self.codec, self.counters, self._send, data_dir=data_dir,
+                                budget=budget, allowed_modules=allowed_modules)  # pipeline jobs
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -133,7 +136,9 @@ class AgentDaemon:
                 self.counters.add(f"frame_{exc.reason.value}")
                 log.warning("%s refused a control message: %s", self.me, exc)
         self._halt("shutting down")
+        self.stages.halt("shutting down")
         self._join()
+        self.stages.join()
         self.link.publish(topics.hello(self.me), b"", Deadline.after(2.0), retain=True)
         self.link.close("offline")
         log.info("agent %s stopped; counters %s", self.me, self.counters.snapshot())
@@ -157,11 +162,12 @@ class AgentDaemon:
         if item.kind == "member" and item.src == topics.COORDINATOR and item.event is not None:
             if item.event.kind in ("lost", "left"):
                 self._halt(f"coordinator {item.event.kind}")
+                self.stages.halt(f"coordinator {item.event.kind}")
             return
         if item.kind != "frame":
             return
         msg = self.codec.decode(item.src, item.data)
-        if msg is None:
+        if msg is None or (self.link is not None and self.stages.handle(msg, self.link)):
             return
         if msg.kind == "manifest":
             self._on_manifest(msg)

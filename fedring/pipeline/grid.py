@@ -120,19 +120,21 @@ def build_worker(
     settings: PipelineSettings, channel: PeerChannel, *, loss_fn: LossFn,
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
     reducer_settings: ReducerSettings, next_batch: Batch,
+    names: Callable[[int, int], str] = worker_name,
 ) -> GridWorker:  # fmt: skip
     """Worker (`stage`, `replica`) of the grid, training `module` (that stage's layers,
-    its own copy) over `channel`: what one board, or one process, holds."""
+    its own copy) over `channel`: what one board, or one process, holds. `names(s, d)`
+    is the endpoint of worker (s, d) (an agent's id where daemons hold the stages)."""
     count = len(plan.stages)
     spec = plan.stages[stage]
     s, d = stage, replica
-    own = Stage(s, count, module, channel, worker_name(s - 1, d) if s else None,
-                worker_name(s + 1, d) if s < count - 1 else None, spec.in_shape,
+    own = Stage(s, count, module, channel, names(s - 1, d) if s else None,
+                names(s + 1, d) if s < count - 1 else None, spec.in_shape,
                 loss_fn if s == count - 1 else None, settings.wire)  # fmt: skip
     numel = param_count(module)
     reducer = None
     if replicas > 1 and numel:
-        members = tuple(worker_name(s, r) for r in range(replicas))
+        members = tuple(names(s, r) for r in range(replicas))
         ring = Group(channel, members, settings.topology, settings.wire.timeout_s)
         reducer = Reducer(ring.collective, numel, reducer_settings)
     return GridWorker(
