@@ -254,6 +254,11 @@ def simulate_cmd(
     activation_dtype: str | None = typer.Option(
         None, help="Pipeline: activations on the wire, fp32 | fp16. [fp32]"
     ),
+    pipeline_cost: str | None = typer.Option(
+        None,
+        help="Pipeline: split by counted multiply-adds (the same split and hash on any load) "
+        "| measured (each layer timed here). [counted]",
+    ),
     target_accuracy: float | None = typer.Option(None, help="Stop once reached (0 = never). [0]"),
     seed: int | None = typer.Option(None, help="Seed of split, shards, init and batches. [0]"),
     out: Path | None = typer.Option(

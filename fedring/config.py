@@ -32,6 +32,7 @@ INITS = ("sent", "derived")
 RESYNCS = ("mixed", "always", "never")  # as `engine.resync.RESYNC_POLICIES`
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # fedring.pipeline.schedule.SCHEDULES
 ACTIVATION_DTYPES = ("fp32", "fp16")
+PIPELINE_COSTS = ("counted", "measured")
 TASK_REF = re.compile(r"[A-Za-z_][\w.-]*(:[A-Za-z_]\w*)?")
 
 
@@ -129,6 +130,10 @@ class JobSpec:
     micro_batches: int = 4  # M: each replica's batch flows through the stages in M parts
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b (same bubble, 1f1b holds fewer activations)
     activation_dtype: str = "fp32"  # activations and their gradients on the wire: fp32 | fp16
+    # How the split weighs layers: counted (multiply-adds from the shapes: the same
+    # split, and the same model hash, on an idle or a loaded machine) | measured (each
+    # layer's forward and backward timed here: the split may move with the load).
+    pipeline_cost: str = "counted"
 
     def __post_init__(self) -> None:
         _check_int(self, "agents", 1, 1024)
@@ -342,6 +347,7 @@ def _check_pipeline(spec: JobSpec) -> None:
     _check_int(spec, "micro_batches", 1, 4096)
     _check_choice(spec, "pipeline_schedule", PIPELINE_SCHEDULES)
     _check_choice(spec, "activation_dtype", ACTIVATION_DTYPES)
+    _check_choice(spec, "pipeline_cost", PIPELINE_COSTS)
     s = spec.pipeline_stages
     if s == 1:
         return

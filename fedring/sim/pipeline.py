@@ -31,6 +31,7 @@ from fedring.engine.plan import plan as plan_task
 from fedring.engine.plan import prepare
 from fedring.engine.sampler import ShardSampler
 from fedring.firmware_profiles.schema import Profile, load_builtin
+from fedring.pipeline.assignment import plan_from_shapes
 from fedring.pipeline.cost import host_gflops, layers_of, measure_layers
 from fedring.pipeline.grid import (
     Batch,
@@ -85,11 +86,19 @@ def simulate_pipeline(
     rows = math.ceil(min(spec.batch_size, len(shards[0][1])) / spec.micro_batches)
     sample = shards[0][1][:rows]
     torch.set_num_threads(1)
-    stage_plan = partition(
-        measure_layers(layers, sample), stage_boards(s_count, replicas, fleet),
-        micro_batches=spec.micro_batches, schedule=spec.pipeline_schedule,
-        input_bytes=sample.numel() * 4, host_gflops=host_gflops(),
-    )  # fmt: skip
+    boards = stage_boards(s_count, replicas, fleet)
+    if spec.pipeline_cost == "counted":  # as the coordinator splits: the same hash anywhere
+        stage_plan = plan_from_shapes(
+            layers, tuple(sample.shape[1:]), boards, batch_size=min(spec.batch_size,
+            len(shards[0][1])), micro_batches=spec.micro_batches,
+            schedule=spec.pipeline_schedule,
+        )  # fmt: skip
+    else:
+        stage_plan = partition(
+            measure_layers(layers, sample), boards,
+            micro_batches=spec.micro_batches, schedule=spec.pipeline_schedule,
+            input_bytes=sample.numel() * 4, host_gflops=host_gflops(),
+        )  # fmt: skip
     hub, counters = InprocTransport(cooperative=True), Counters()
 
     def data(d: int) -> Batch:

@@ -60,17 +60,32 @@ def test_a_2_x_2_grid_trains_digits_and_reports_plan_bubble_bytes_throughput() -
     assert r["counters"]["pp-act_sent"] == r["counters"]["pp-grad_sent"] == 40 * 4 * 2
 
 
-def test_fp16_activations_halve_the_pipeline_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The split follows measured layer times: on a loaded machine two runs may cut the
-    # model at layers of different widths (seen: 4x the bytes, not 2x). Cost by size.
-    measured = sim_pipeline.measure_layers
-    monkeypatch.setattr(sim_pipeline, "measure_layers", lambda *a, **k: [
-        dataclasses.replace(c, seconds=1e-9 * (c.params + 1)) for c in measured(*a, **k)
-    ])  # fmt: skip
+def test_fp16_activations_halve_the_pipeline_bytes() -> None:
     base = JobSpec(agents=2, pipeline_stages=2, rounds=4, eval_every=4, compression="none")
     sent = [simulate(base.replace(activation_dtype=d))["pipeline_payload_bytes_per_agent"]
             for d in ("fp32", "fp16")]  # fmt: skip
     assert sent[0] == 2 * sent[1]
+
+
+def test_a_counted_split_is_the_same_on_any_load_and_a_measured_one_is_timed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default split counts multiply-adds: a machine that suddenly times the first
+    layers 1000x slower cuts the same way, so the same seed gives the same hash.
+    ``pipeline_cost = "measured"`` follows the timings (and moves with them)."""
+    base = JobSpec(agents=2, pipeline_stages=2, rounds=4, eval_every=4, model="mlp:64x64x64")
+    first = simulate(base)
+    measured = sim_pipeline.measure_layers
+    monkeypatch.setattr(sim_pipeline, "measure_layers", lambda *a, **k: [
+        dataclasses.replace(c, seconds=c.seconds * (1000 if i < 2 else 1))
+        for i, c in enumerate(measured(*a, **k))
+    ])  # fmt: skip
+    loaded = simulate(base)
+    assert loaded["plan"] == first["plan"] and loaded["model_hashes"] == first["model_hashes"]
+    starts = [st["start"] for st in simulate(base.replace(pipeline_cost="measured"))["plan"]["stages"]]
+    assert starts != [st["start"] for st in first["plan"]["stages"]]  # timed: cut at the slow layers
+    with pytest.raises(SpecError, match=r"'pipeline_cost'='timed'"):
+        base.replace(pipeline_cost="timed")
 
 
 def test_cli_runs_a_pipeline_with_flags_and_prints_the_summary() -> None:
