@@ -50,6 +50,8 @@ def grid_fleet(broker: Mosquitto, tmp_path_factory: pytest.TempPathFactory) -> I
     f = Fleet(broker.url, tmp_path_factory.mktemp("logs"), extra={a: flags for a in AGENTS})
     for a in AGENTS:
         f.start(a)
+    for a in AGENTS:  # all four up before a spare joins: the grid is theirs
+        wait_for(lambda a=a: "ready on" in f.log(a), 60, f"{a}'s hello")  # type: ignore[misc]
     yield f
     codes = f.stop()
     assert set(codes.values()) == {0}, codes
@@ -145,5 +147,32 @@ def test_a_killed_replica_ends_the_job_naming_stage_replica_and_agent(
     assert "stage 1 replica 1 (agent a3) lost" in log, log[-2000:]
     assert "no spare board is enrolled" in log
     assert all(grid_fleet.procs[a].poll() is None for a in ("a0", "a1", "a2"))
+    back = grid_fleet.log("a3").count("ready on") + 1
     grid_fleet.start("a3")
-    wait_for(lambda: grid_fleet.log("a3").count("ready on") >= 2, 60, "a3 back")
+    wait_for(lambda: grid_fleet.log("a3").count("ready on") >= back, 60, "a3 back")
+
+
+def test_a_spare_takes_a_killed_replica_and_the_replicas_end_identical(
+    broker: Mosquitto, grid_fleet: Fleet, tmp_path: Path
+) -> None:
+    grid_fleet.start("a4")  # a spare: the grid goes to the first four ids
+    wait_for(lambda: "ready on" in grid_fleet.log("a4"), 60, "the spare's hello")
+    out = tmp_path / "reformed"
+    proc = coordinator(broker.url, job(tmp_path, 100, checkpoint_every=20), out, "--no-onnx")
+    try:
+        wait_for(lambda: (out / "stages" / "step.json").exists(), 60, "a complete checkpoint")
+        grid_fleet.kill("a3")
+        summary = finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    print(f"re-formed: {summary['events']}; replicas {summary['replica_sha256']}")
+    assert summary["reformations"] == 1 and summary["grid"] == [["a0", "a1"], ["a2", "a4"]]
+    assert "stage 1 replica 1: a3 lost, a4 takes it" in summary["events"][0]["why"]
+    assert summary["rounds"] == 100 and summary["final_accuracy"] > 0.8
+    for row in summary["replica_sha256"]:
+        assert row[0] == row[1]
+    back = grid_fleet.log("a3").count("ready on") + 1
+    grid_fleet.start("a3")  # the fleet as it was (a4 stays a spare)
+    wait_for(lambda: grid_fleet.log("a3").count("ready on") >= back, 60, "a3 back")
