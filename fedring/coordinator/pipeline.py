@@ -1,4 +1,4 @@
-"""`fedring coordinator run` for a job with ``pipeline_stages`` = S > 1: an S x D grid of daemons.
+"""`fedring coordinator run` for a job with ``pipeline_stages`` = S > 1: an S x D grid of agents.
 
 1. Enrol: wait (with a deadline) for ``agents`` = S x D agents online with a hello;
    stage s replica d goes to the (s*D + d)-th by id (`pipeline_grid`); more enrolled
@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +52,7 @@ from fedring.coordinator.pipeline_fleet import (
 )
 from fedring.coordinator.pipeline_grid import (
     Grid,
+    GridJob,
     grid_summary,
     replicas_differ,
     shard_entries,
@@ -74,27 +74,6 @@ from fedring.wire.control import ControlMessage
 __all__ = ["PipelineCoordinator", "PipelineError", "StageFailed", "StageLost", "StageStalled"]
 log = logging.getLogger(__name__)
 BLAME_S = 3.0  # after a stage's nack, how long to look for the member that died
-
-
-@dataclass
-class _Job:
-    job: str
-    key: bytes
-    grid: Grid  # stage s replica d -> agent
-    epoch: int = 0
-    start: int = 0  # the step this epoch starts from (a checkpoint's after a re-formation)
-    acks: set[int] = field(default_factory=set)  # by member index
-    done: dict[int, dict[str, Any]] = field(default_factory=dict)  # by member index
-    finals: dict[int, torch.Tensor] = field(default_factory=dict)  # by stage (replica 0's)
-    stopped: set[str] = field(default_factory=set)  # agents whose stage said nack
-    step: int = 0  # the furthest step any stage reported
-
-    @property
-    def members(self) -> list[str]:
-        return self.grid.members
-
-    def index_of(self, agent: str) -> int:
-        return self.members.index(agent) if agent in self.members else -1
 
 
 class PipelineCoordinator:
@@ -139,7 +118,7 @@ class PipelineCoordinator:
             self.opts.out.mkdir(parents=True, exist_ok=True)
             ckpt = files.StageCheckpoints(self.opts.out, s_count)
             initial = {st.index: stage_state(modules[st.index]) for st in plan.stages}
-            job = _Job(f"pp-{os.urandom(4).hex()}", os.urandom(32), Grid(members, s_count))
+            job = GridJob(f"pp-{os.urandom(4).hex()}", os.urandom(32), Grid(members, s_count))
             self.fleet.codec.key = job.key
             while True:
                 self._start(job, plan, boards, shards, initial if job.epoch == 0 else ckpt.latest)
@@ -153,25 +132,20 @@ class PipelineCoordinator:
         finally:
             self.fleet.link.close("offline")
 
-    def _start(self, job: _Job, plan: StagePlan, boards: list[Board],
+    def _start(self, job: GridJob, plan: StagePlan, boards: list[Board],
                shards: list[dict[str, Any]], states: dict[int, torch.Tensor]) -> None:  # fmt: skip
         """Each member's manifest, then its stage's state (initial, or the checkpoint's)."""
         for i, agent in enumerate(job.members):
             s, d = divmod(i, job.grid.replicas)
             flat = states[s]
-            doc = {"mode": "pipeline", "job": job.job, "epoch": job.epoch, "key": job.key.hex(),
-                   "spec": self.spec.resolved(), "stage": s, "replica": d,
-                   "replicas": job.grid.replicas, "members": job.members,
-                   "boards": [[b.name, b.gflops, b.budget_mb] for b in boards],
-                   "starts": [x.start for x in plan.stages], "start_step": job.start,
-                   "params_sha256": flat_sha256(flat)}  # fmt: skip
+            doc = job.manifest(i, self.spec.resolved(), plan, boards, flat_sha256(flat))
             if shards:
                 doc["shard_entry"] = shards[d]
             self.fleet.send(job.job, agent, "manifest", doc, sign=False)
             self.fleet.send(job.job, agent, "model", {"epoch": job.epoch, "stage": s},
                             flat_bytes(flat), round=job.start)  # fmt: skip
 
-    def _reform(self, job: _Job, exc: StageLost, ckpt: files.StageCheckpoints) -> _Job:
+    def _reform(self, job: GridJob, exc: StageLost, ckpt: files.StageCheckpoints) -> GridJob:
         """A spare board (enrolled, not a member) takes the lost member's place; every
         member rolls back to the last complete checkpoint (replicas start from replica
         0's state, their error-feedback residuals empty). Without a spare, the job fails."""
@@ -191,13 +165,13 @@ class PipelineCoordinator:
                f"back to step {ckpt.step}")  # fmt: skip
         log.warning("pipeline job %s re-forms: %s", job.job, why)
         self.events.append({"t": time.time(), "epoch": job.epoch, "why": why})
-        return _Job(job.job, job.key, Grid(members, job.grid.stages), epoch=job.epoch + 1,
+        return GridJob(job.job, job.key, Grid(members, job.grid.stages), epoch=job.epoch + 1,
                     start=ckpt.step,
                     step=ckpt.step)  # fmt: skip
 
     # -- training -----------------------------------------------------------------
 
-    def _train(self, job: _Job, ckpt: files.StageCheckpoints) -> None:
+    def _train(self, job: GridJob, ckpt: files.StageCheckpoints) -> None:
         """Until every stage said bye with its final state; a typed error otherwise."""
         stall = self.opts.stall_s or 3 * self.spec.timeout_s
         acks_by = Deadline.after(self.opts.ack_timeout_s)
@@ -253,7 +227,7 @@ class PipelineCoordinator:
         if differ:
             self._fail(job, StageFailed, "stage_replicas_differ", differ, ckpt)
 
-    def _on_state(self, job: _Job, i: int, msg: ControlMessage,
+    def _on_state(self, job: GridJob, i: int, msg: ControlMessage,
                   ckpt: files.StageCheckpoints) -> None:  # fmt: skip
         s, d = divmod(i, job.grid.replicas)
         if d:  # replica 0 of a stage uploads its states; another's is not kept
@@ -277,12 +251,12 @@ class PipelineCoordinator:
 
     # -- failures -----------------------------------------------------------------
 
-    def _lost(self, job: _Job, agent: str, kind: str, ckpt: files.StageCheckpoints) -> None:
+    def _lost(self, job: GridJob, agent: str, kind: str, ckpt: files.StageCheckpoints) -> None:
         i = job.index_of(agent)
         self._fail(job, StageLost, "stage_lost", f"{job.grid.who(i)} {kind} near step "
                    f"{job.step}", ckpt, gone=agent, stage=i // job.grid.replicas)  # fmt: skip
 
-    def _nacked(self, job: _Job, i: int, why: str, ckpt: files.StageCheckpoints) -> None:
+    def _nacked(self, job: GridJob, i: int, why: str, ckpt: files.StageCheckpoints) -> None:
         """A stage stopped: blame the member that died, if one did (its neighbours see
         its last-will as soon as we do), else the stage that said so."""
         deadline = Deadline.after(BLAME_S)
@@ -298,7 +272,7 @@ class PipelineCoordinator:
         self._fail(job, StageFailed, "stage_failed", f"{job.grid.who(i)} stopped near step "
                    f"{job.step}: {why}", ckpt, stage=s)  # fmt: skip
 
-    def _fail(self, job: _Job, kind: type[PipelineError], counter: str, why: str,
+    def _fail(self, job: GridJob, kind: type[PipelineError], counter: str, why: str,
               ckpt: files.StageCheckpoints, gone: str = "", stage: int = -1) -> None:  # fmt: skip
         """Halt the other stages (bounded), log, count, and raise `kind`."""
         self.counters.add(counter)
@@ -314,7 +288,7 @@ class PipelineCoordinator:
             self._stopping(job, self.fleet.next(0.2))
         raise kind(message, stage, gone)
 
-    def _stopping(self, job: _Job, item: Control | None) -> None:
+    def _stopping(self, job: GridJob, item: Control | None) -> None:
         """Note a stage that stopped (nack, bye) or went, while the job winds down."""
         if item is not None and item.kind == "member" and item.event is not None:
             if item.event.kind != "joined":
@@ -326,7 +300,7 @@ class PipelineCoordinator:
 
     # -- the end ------------------------------------------------------------------
 
-    def _finish(self, job: _Job, plan: Any, modules: list[Any], task: Any, data: Any,
+    def _finish(self, job: GridJob, plan: Any, modules: list[Any], task: Any, data: Any,
                 ckpt: files.StageCheckpoints, wall: float) -> dict[str, Any]:  # fmt: skip
         for agent in job.members:
             self.fleet.send(job.job, agent, "bye", {"epoch": job.epoch, "why": "done"})

@@ -9,16 +9,20 @@ board; D = 1 trains on the whole training set, as before. Replica 0 of each stag
 uploads the checkpoints and the final state; every replica reports its final
 state's sha256, and the replicas of a stage must agree (`replicas_differ`).
 
-    grid = Grid(["a0", "a1", "a2", "a3"], stages=2)   # D = 2
-    grid.at(1, 0), grid.where("a3")                    # 'a2', (1, 1)
-    grid.who(3)                                        # 'stage 1 replica 1 (agent a3)'
+    >>> grid = Grid(["a0", "a1", "a2", "a3"], stages=2)   # D = 2
+    >>> grid.at(1, 0), grid.where("a3")
+    ('a2', (1, 1))
+    >>> grid.who(3)
+    'stage 1 replica 1 (agent a3)'
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from fedring.coordinator.membership import number
 from fedring.coordinator.pipeline_files import bubble, stage_rows
@@ -51,6 +55,40 @@ class Grid:
         replica = f" replica {d}" if self.replicas > 1 else ""
         return f"stage {s}{replica} (agent {self.members[index]})"
 
+
+@dataclass
+class GridJob:
+    """A pipeline job's state on the coordinator for one epoch (a re-formation starts
+    another)."""
+
+    job: str
+    key: bytes
+    grid: Grid  # stage s replica d -> agent
+    epoch: int = 0
+    start: int = 0  # the step this epoch starts from (a checkpoint's after a re-formation)
+    acks: set[int] = field(default_factory=set)  # by member index
+    done: dict[int, dict[str, Any]] = field(default_factory=dict)  # by member index
+    finals: dict[int, torch.Tensor] = field(default_factory=dict)  # by stage (replica 0's)
+    stopped: set[str] = field(default_factory=set)  # agents whose stage said nack
+    step: int = 0  # the furthest step any stage reported
+
+    @property
+    def members(self) -> list[str]:
+        return self.grid.members
+
+    def index_of(self, agent: str) -> int:
+        return self.members.index(agent) if agent in self.members else -1
+
+    def manifest(self, i: int, spec: dict[str, Any], plan: StagePlan, boards: Sequence[Board],
+                 params_sha256: str) -> dict[str, Any]:  # fmt: skip
+        """Member `i`'s manifest: its place in the grid, the plan's cut points, the job."""
+        s, d = divmod(i, self.grid.replicas)
+        return {"mode": "pipeline", "job": self.job, "epoch": self.epoch, "key": self.key.hex(),
+                "spec": spec, "stage": s, "replica": d, "replicas": self.grid.replicas,
+                "members": self.members,
+                "boards": [[b.name, b.gflops, b.budget_mb] for b in boards],
+                "starts": [x.start for x in plan.stages], "start_step": self.start,
+                "params_sha256": params_sha256}  # fmt: skip
 
 def stage_boards(boards: Sequence[Board], stages: int) -> list[Board]:
     """Stage s's board: the slowest speed and the smallest budget of its D boards."""
