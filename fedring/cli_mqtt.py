@@ -187,7 +187,8 @@ def coordinator_run(
     pipeline_stages: int = typer.Option(
         0, "--pipeline-stages", min=0, max=64,
         help="Model parallelism: cut the model into S stages, one per agent (sets the job's "
-        "pipeline_stages and agents to S; docs/pipeline.md). [the job file's]",
+        "pipeline_stages and agents to S; an S x D grid comes from the job file: agents = "
+        "S x D; docs/pipeline.md). [the job file's]",
     ),
 ) -> None:
     """Enrol agents, shard the data, run the rounds, checkpoint every round, report."""
@@ -215,7 +216,7 @@ def coordinator_run(
 
         opts = Options(out=out, min_agents=min_agents, enrol_timeout_s=enrol_timeout,
                        resume=resume, export_onnx=onnx, on_round=tick)  # fmt: skip
-        piped = spec.pipeline_stages > 1  # one stage per agent: `coordinator.pipeline`
+        piped = spec.pipeline_stages > 1  # an S x D grid of agents: `coordinator.pipeline`
         try:
             summary = (PipelineCoordinator if piped else Coordinator)(spec, cfg, opts).run()
         except CheckpointError as exc:
