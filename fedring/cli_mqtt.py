@@ -231,7 +231,7 @@ def coordinator_run(
         err.print(summary["plan_text"])
         err.print(
             f"job {summary['job']}: accuracy {summary['final_accuracy']:.4f} after "
-            f"{summary['rounds']} steps, {len(summary['members'])} stages, bubble "
+            f"{summary['rounds']} steps, {summary['layout']}, bubble "
             f"{summary['bubble_fraction']:.3f}, model sha256 {summary['model_sha256'][:16]}; "
             f"{out}/summary.json"
         )

@@ -154,7 +154,7 @@ class PipelineCoordinator:
             why = ("no spare board is enrolled" if not spares
                    else "no complete checkpoint to re-form from" if ckpt.step < 0
                    else f"gave up after {job.epoch + 1} epochs")  # fmt: skip
-            raise StageLost(f"{exc}; {why}", exc.stage, exc.agent) from None
+            raise StageLost(f"{exc}; {why}", exc.stage, exc.agent, exc.replica) from None
         members = list(job.members)
         index = job.index_of(exc.agent)
         members[index] = spares[0]
@@ -222,7 +222,7 @@ class PipelineCoordinator:
             i = s * job.grid.replicas
             if flat_sha256(flat) != job.done[i].get("sha256"):
                 self._fail(job, StageFailed, "stage_final_mismatch", f"{job.grid.who(i)}: its "
-                           "final upload is not the state it reports", ckpt, stage=s)  # fmt: skip
+                           "final upload is not the state it reports", ckpt, at=(s, 0))  # fmt: skip
         differ = replicas_differ(job.grid, job.done)
         if differ:
             self._fail(job, StageFailed, "stage_replicas_differ", differ, ckpt)
@@ -254,7 +254,7 @@ class PipelineCoordinator:
     def _lost(self, job: GridJob, agent: str, kind: str, ckpt: files.StageCheckpoints) -> None:
         i = job.index_of(agent)
         self._fail(job, StageLost, "stage_lost", f"{job.grid.who(i)} {kind} near step "
-                   f"{job.step}", ckpt, gone=agent, stage=i // job.grid.replicas)  # fmt: skip
+                   f"{job.step}", ckpt, gone=agent, at=job.grid.where(agent))  # fmt: skip
 
     def _nacked(self, job: GridJob, i: int, why: str, ckpt: files.StageCheckpoints) -> None:
         """A stage stopped: blame the member that died, if one did (its neighbours see
@@ -265,16 +265,18 @@ class PipelineCoordinator:
             if gone:
                 self._lost(job, gone[0], "lost", ckpt)
             self._stopping(job, self.fleet.next(0.1))
-        s = i // job.grid.replicas
+        at = divmod(i, job.grid.replicas)
         if why.startswith("refused"):
             self._fail(job, StageFailed, "stage_refused", f"{job.grid.who(i)} {why}", ckpt,
-                       stage=s)  # fmt: skip
+                       at=at)  # fmt: skip
         self._fail(job, StageFailed, "stage_failed", f"{job.grid.who(i)} stopped near step "
-                   f"{job.step}: {why}", ckpt, stage=s)  # fmt: skip
+                   f"{job.step}: {why}", ckpt, at=at)  # fmt: skip
 
     def _fail(self, job: GridJob, kind: type[PipelineError], counter: str, why: str,
-              ckpt: files.StageCheckpoints, gone: str = "", stage: int = -1) -> None:  # fmt: skip
-        """Halt the other stages (bounded), log, count, and raise `kind`."""
+              ckpt: files.StageCheckpoints, gone: str = "",
+              at: tuple[int, int] = (-1, -1)) -> None:  # fmt: skip
+        """Halt the other stages (bounded), log, count, and raise `kind` naming the
+        (stage, replica) `at` and the agent `gone`."""
         self.counters.add(counter)
         kept = (f"last complete checkpoint: step {ckpt.step} in {ckpt.dir}" if ckpt.step >= 0
                 else "no complete checkpoint yet")  # fmt: skip
@@ -286,7 +288,7 @@ class PipelineCoordinator:
         deadline = Deadline.after(self.opts.halt_timeout_s)
         while online - job.stopped and not deadline.expired:
             self._stopping(job, self.fleet.next(0.2))
-        raise kind(message, stage, gone)
+        raise kind(message, at[0], gone, at[1])
 
     def _stopping(self, job: GridJob, item: Control | None) -> None:
         """Note a stage that stopped (nack, bye) or went, while the job winds down."""
