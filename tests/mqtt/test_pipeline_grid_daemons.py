@@ -4,10 +4,10 @@ for bit, the in-process grid's (`build_grid`) with the coordinator's cut points,
 layers' weights (`materialize`) and replica d on shard d. A replica killed mid-job
 ends the job with `StageLost` naming its stage, replica and agent.
 
-Why not `fedring simulate`'s own hash: simulate builds the model with `build_model`'s
-random stream and cuts it where *measured* seconds balance; the coordinator lays the
-layers out per layer from ``(seed, index)`` and cuts where *counted* flops balance
-(the same on any machine load), so the two do not train the same weights."""
+Why not `fedring simulate`'s own hash: simulate initialises the whole model with
+`build_model`'s random stream (and may cut where measured seconds balance); the
+coordinator initialises each layer from ``(seed, index)`` and cuts where counted
+multiply-adds balance, so even on the same cut points the two train different weights."""
 
 from __future__ import annotations
 
