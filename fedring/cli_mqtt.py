@@ -187,7 +187,8 @@ def coordinator_run(
     pipeline_stages: int = typer.Option(
         0, "--pipeline-stages", min=0, max=64,
         help="Model parallelism: cut the model into S stages, one per agent (sets the job's "
-        "pipeline_stages and agents to S; docs/pipeline.md). [the job file's]",
+        "pipeline_stages and agents to S; an S x D grid comes from the job file: agents = "
+        "S x D; docs/pipeline.md). [the job file's]",
     ),
 ) -> None:
     """Enrol agents, shard the data, run the rounds, checkpoint every round, report."""
@@ -215,7 +216,7 @@ def coordinator_run(
 
         opts = Options(out=out, min_agents=min_agents, enrol_timeout_s=enrol_timeout,
                        resume=resume, export_onnx=onnx, on_round=tick)  # fmt: skip
-        piped = spec.pipeline_stages > 1  # one stage per agent: `coordinator.pipeline`
+        piped = spec.pipeline_stages > 1  # an S x D grid of agents: `coordinator.pipeline`
         try:
             summary = (PipelineCoordinator if piped else Coordinator)(spec, cfg, opts).run()
         except CheckpointError as exc:
@@ -230,7 +231,7 @@ def coordinator_run(
         err.print(summary["plan_text"])
         err.print(
             f"job {summary['job']}: accuracy {summary['final_accuracy']:.4f} after "
-            f"{summary['rounds']} steps, {len(summary['members'])} stages, bubble "
+            f"{summary['rounds']} steps, {summary['layout']}, bubble "
             f"{summary['bubble_fraction']:.3f}, model sha256 {summary['model_sha256'][:16]}; "
             f"{out}/summary.json"
         )

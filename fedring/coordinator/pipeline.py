@@ -1,23 +1,27 @@
-"""`fedring coordinator run` for a job with ``pipeline_stages`` = S > 1: one stage per daemon.
+"""`fedring coordinator run` for a job with ``pipeline_stages`` = S > 1: an S x D grid of agents.
 
-1. Enrol: wait (with a deadline) for S agents online with a hello; stage s goes to
-   the s-th by id (D = 1: `agents` must equal S; more enrolled boards stay idle).
+1. Enrol: wait (with a deadline) for ``agents`` = S x D agents online with a hello;
+   stage s replica d goes to the (s*D + d)-th by id (`pipeline_grid`); more enrolled
+   boards stay idle (spares). With D > 1 each stage's D replicas all-reduce its
+   gradient in their own ring (group-top-k + error feedback per the job's fields),
+   replica d on shard d of the data.
 2. Plan once: the model's layers on PyTorch's ``meta`` device, their costs counted
    from shapes (`pipeline.assignment`), split within each stage's board budget (its
    hello's profile). The cut points go to every stage; no stage re-derives them, so
    the same seed gives the same split and the same model on any machine load.
 3. Start: each agent gets a manifest (its stage, the members by stage, the boards,
-   the cut points, the spec, the key) and its own stage's initial parameters only
-   (sha256 in the manifest). Stages train over their MQTT links
-   (`edge_agent.stage`), upload their state every `checkpoint_every` steps (kept
-   under OUT/stages/ once every stage's upload of a step is in), and the last stage
-   reports its loss every `eval_every` steps.
-4. End: every stage uploads its final state (hash-checked) and says ``bye``; the
+   the cut points, the spec, the key, its replica and shard entry) and its own stage's
+   initial parameters only (sha256 in the manifest). Stages train over their MQTT
+   links (`edge_agent.stage`); replica 0 of each stage uploads its state every
+   `checkpoint_every` steps (kept under OUT/stages/ once every stage's upload of a
+   step is in), and replica 0 of the last stage reports its loss every `eval_every`.
+4. End: replica 0 of every stage uploads its final state (hash-checked), every member
+   says ``bye`` with its state's sha256 (the replicas of a stage must agree); the
    coordinator reassembles the model, evaluates it, writes the files
    (`pipeline_files`) and the summary, exports ONNX where it can.
 5. Failure: a stage lost (last-will or silence), a stage that stops (``nack``), or no
    word for `stall_s`: the others are halted, and the job ends with a typed error
-   naming the stage and agent (`StageLost`, `StageFailed`, `StageStalled`), a log
+   naming the stage, replica and agent (`StageLost`, `StageFailed`, `StageStalled`), a log
    line and a counter; the last complete checkpoint stays on disk and the daemons
    stay up for the next job. Nothing here waits without a deadline.
 """
@@ -29,7 +33,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +49,14 @@ from fedring.coordinator.pipeline_fleet import (
     StageLost,
     StageStalled,
     refused,
+)
+from fedring.coordinator.pipeline_grid import (
+    Grid,
+    GridJob,
+    grid_summary,
+    replicas_differ,
+    shard_entries,
+    stage_boards,
 )
 from fedring.coordinator.service import Options
 from fedring.counters import Counters
@@ -65,23 +76,6 @@ log = logging.getLogger(__name__)
 BLAME_S = 3.0  # after a stage's nack, how long to look for the member that died
 
 
-@dataclass
-class _Job:
-    job: str
-    key: bytes
-    members: list[str]  # stage s -> agent
-    epoch: int = 0
-    start: int = 0  # the step this epoch starts from (a checkpoint's after a re-formation)
-    acks: set[int] = field(default_factory=set)
-    done: dict[int, dict[str, Any]] = field(default_factory=dict)
-    finals: dict[int, torch.Tensor] = field(default_factory=dict)
-    stopped: set[str] = field(default_factory=set)  # agents whose stage said nack
-    step: int = 0  # the furthest step any stage reported
-
-    def stage_of(self, agent: str) -> int:
-        return self.members.index(agent) if agent in self.members else -1
-
-
 class PipelineCoordinator:
     def __init__(self, spec: JobSpec, cfg: BrokerConfig, opts: Options) -> None:
         if spec.pipeline_stages < 2:
@@ -95,10 +89,9 @@ class PipelineCoordinator:
     def run(self) -> dict[str, Any]:
         start = time.perf_counter()
         spec, s_count = self.spec, self.spec.pipeline_stages
-        if spec.agents != s_count:
-            why = (f"field 'agents'={spec.agents}: a pipeline job through the coordinator runs "
-                   f"D = 1 (agents = pipeline_stages = {s_count}); D > 1 runs in `fedring "
-                   "simulate` only")  # fmt: skip
+        if spec.agents % s_count:
+            why = (f"field 'agents'={spec.agents}: a pipeline job runs S x D agents, a multiple "
+                   f"of pipeline_stages = {s_count}")  # fmt: skip
             raise refused(self.counters, "pipeline_refused", why)
         if spec.task:
             why = (f"field 'task'={spec.task!r}: pipeline jobs through the coordinator take a "
@@ -109,8 +102,9 @@ class PipelineCoordinator:
         layers = meta_layers(spec.model, data.feature_shape, data.num_classes)
         self.fleet.link.connect()
         try:
-            members = self.fleet.enrol(s_count, self.opts.enrol_timeout_s)
-            boards = [self.fleet.board(a) for a in members]
+            members = self.fleet.enrol(spec.agents, self.opts.enrol_timeout_s)
+            boards = stage_boards([self.fleet.board(a) for a in members], s_count)
+            shards = shard_entries(data, spec.agents // s_count, spec.sharding, spec.seed)
             try:
                 plan = plan_from_shapes(
                     layers, data.feature_shape, boards, batch_size=spec.batch_size,
@@ -124,10 +118,10 @@ class PipelineCoordinator:
             self.opts.out.mkdir(parents=True, exist_ok=True)
             ckpt = files.StageCheckpoints(self.opts.out, s_count)
             initial = {st.index: stage_state(modules[st.index]) for st in plan.stages}
-            job = _Job(f"pp-{os.urandom(4).hex()}", os.urandom(32), members)
+            job = GridJob(f"pp-{os.urandom(4).hex()}", os.urandom(32), Grid(members, s_count))
             self.fleet.codec.key = job.key
             while True:
-                self._start(job, plan, boards, initial if job.epoch == 0 else ckpt.latest)
+                self._start(job, plan, boards, shards, initial if job.epoch == 0 else ckpt.latest)
                 try:
                     self._train(job, ckpt)
                 except StageLost as exc:
@@ -138,51 +132,54 @@ class PipelineCoordinator:
         finally:
             self.fleet.link.close("offline")
 
-    def _start(self, job: _Job, plan: StagePlan, boards: list[Board],
-               states: dict[int, torch.Tensor]) -> None:  # fmt: skip
-        """Each stage's manifest, then its own state (initial, or the checkpoint's)."""
-        for st, agent in zip(plan.stages, job.members, strict=True):
-            flat = states[st.index]
-            doc = {"mode": "pipeline", "job": job.job, "epoch": job.epoch, "key": job.key.hex(),
-                   "spec": self.spec.resolved(), "stage": st.index, "members": job.members,
-                   "boards": [[b.name, b.gflops, b.budget_mb] for b in boards],
-                   "starts": [x.start for x in plan.stages], "start_step": job.start,
-                   "params_sha256": flat_sha256(flat)}  # fmt: skip
+    def _start(self, job: GridJob, plan: StagePlan, boards: list[Board],
+               shards: list[dict[str, Any]], states: dict[int, torch.Tensor]) -> None:  # fmt: skip
+        """Each member's manifest, then its stage's state (initial, or the checkpoint's)."""
+        for i, agent in enumerate(job.members):
+            s, d = divmod(i, job.grid.replicas)
+            flat = states[s]
+            doc = job.manifest(i, self.spec.resolved(), plan, boards, flat_sha256(flat))
+            if shards:
+                doc["shard_entry"] = shards[d]
             self.fleet.send(job.job, agent, "manifest", doc, sign=False)
-            self.fleet.send(job.job, agent, "model", {"epoch": job.epoch, "stage": st.index},
+            self.fleet.send(job.job, agent, "model", {"epoch": job.epoch, "stage": s},
                             flat_bytes(flat), round=job.start)  # fmt: skip
 
-    def _reform(self, job: _Job, exc: StageLost, ckpt: files.StageCheckpoints) -> _Job:
-        """A spare board (enrolled, not a member) takes the lost stage; every stage rolls
-        back to the last complete checkpoint. Without a spare, or one, the job fails."""
+    def _reform(self, job: GridJob, exc: StageLost, ckpt: files.StageCheckpoints) -> GridJob:
+        """A spare board (enrolled, not a member) takes the lost member's place; every
+        member rolls back to the last complete checkpoint (replicas start from replica
+        0's state, their error-feedback residuals empty). Without a spare, the job fails."""
         spares = sorted(self.fleet.ready() - set(job.members))
         if not spares or ckpt.step < 0 or job.epoch + 1 >= self.opts.max_epochs:
             why = ("no spare board is enrolled" if not spares
                    else "no complete checkpoint to re-form from" if ckpt.step < 0
                    else f"gave up after {job.epoch + 1} epochs")  # fmt: skip
-            raise StageLost(f"{exc}; {why}", exc.stage, exc.agent) from None
+            raise StageLost(f"{exc}; {why}", exc.stage, exc.agent, exc.replica) from None
         members = list(job.members)
-        members[exc.stage] = spares[0]
+        index = job.index_of(exc.agent)
+        members[index] = spares[0]
         ckpt.pending.clear()  # the dead epoch's partial sets: never mixed with the next's
         self.counters.add("pipeline_reformed")
-        why = (f"stage {exc.stage}: {exc.agent} lost, {spares[0]} takes it; every stage rolls "
+        place = job.grid.who(index).split(" (")[0]
+        why = (f"{place}: {exc.agent} lost, {spares[0]} takes it; every stage rolls "
                f"back to step {ckpt.step}")  # fmt: skip
         log.warning("pipeline job %s re-forms: %s", job.job, why)
         self.events.append({"t": time.time(), "epoch": job.epoch, "why": why})
-        return _Job(job.job, job.key, members, epoch=job.epoch + 1, start=ckpt.step,
+        return GridJob(job.job, job.key, Grid(members, job.grid.stages), epoch=job.epoch + 1,
+                    start=ckpt.step,
                     step=ckpt.step)  # fmt: skip
 
     # -- training -----------------------------------------------------------------
 
-    def _train(self, job: _Job, ckpt: files.StageCheckpoints) -> None:
+    def _train(self, job: GridJob, ckpt: files.StageCheckpoints) -> None:
         """Until every stage said bye with its final state; a typed error otherwise."""
         stall = self.opts.stall_s or 3 * self.spec.timeout_s
         acks_by = Deadline.after(self.opts.ack_timeout_s)
         progress = Deadline.after(stall)
-        s_count = len(job.members)
-        while not (len(job.done) == s_count and len(job.finals) == s_count):
-            if len(job.acks) < s_count and acks_by.expired:
-                missing = [job.members[s] for s in range(s_count) if s not in job.acks]
+        n, s_count = len(job.members), job.grid.stages
+        while not (len(job.done) == n and len(job.finals) == s_count):
+            if len(job.acks) < n and acks_by.expired:
+                missing = [job.members[i] for i in range(n) if i not in job.acks]
                 self._fail(job, StageFailed, "stage_no_ack", f"no ack from {missing} within "
                            f"{self.opts.ack_timeout_s:g} s", ckpt)  # fmt: skip
             if progress.expired:
@@ -198,20 +195,20 @@ class PipelineCoordinator:
             msg = self.fleet.decode(item)
             if msg is None or msg.job != job.job or msg.doc.get("epoch") != job.epoch:
                 continue
-            s = job.stage_of(msg.src)
-            if s < 0:
+            i = job.index_of(msg.src)
+            if i < 0:
                 continue
             progress = Deadline.after(stall)
             if msg.kind == "ack":
-                job.acks.add(s)
-                if len(job.acks) == s_count:  # every stage holds its layers and listens
+                job.acks.add(i)
+                if len(job.acks) == n:  # every member holds its layers and listens
                     for agent in job.members:
                         self.fleet.send(job.job, agent, "ack", {"epoch": job.epoch, "go": True})
             elif msg.kind == "nack":
                 job.stopped.add(msg.src)
-                self._nacked(job, s, str(msg.doc.get("why", "")), ckpt)
+                self._nacked(job, i, str(msg.doc.get("why", "")), ckpt)
             elif msg.kind == "model":
-                self._on_state(job, s, msg, ckpt)
+                self._on_state(job, i, msg, ckpt)
             elif msg.kind == "metrics":
                 job.step = max(job.step, int(number(msg.doc.get("round"))))
                 row = {k: v for k, v in msg.doc.items() if k != "epoch"}
@@ -220,18 +217,26 @@ class PipelineCoordinator:
                 if self.opts.on_round is not None:
                     self.opts.on_round(int(row.get("round", 1)) - 1, row)
             elif msg.kind == "bye":
-                job.done[s] = msg.doc
+                job.done[i] = msg.doc
         for s, flat in job.finals.items():  # the state uploaded is the one the stage ended with
-            if flat_sha256(flat) != job.done[s].get("sha256"):
-                self._fail(job, StageFailed, "stage_final_mismatch", f"stage {s} "
-                           f"({job.members[s]}): its final upload is not the state it reports",
-                           ckpt, stage=s)  # fmt: skip
+            i = s * job.grid.replicas
+            if flat_sha256(flat) != job.done[i].get("sha256"):
+                self._fail(job, StageFailed, "stage_final_mismatch", f"{job.grid.who(i)}: its "
+                           "final upload is not the state it reports", ckpt, at=(s, 0))  # fmt: skip
+        differ = replicas_differ(job.grid, job.done)
+        if differ:
+            self._fail(job, StageFailed, "stage_replicas_differ", differ, ckpt)
 
-    def _on_state(self, job: _Job, s: int, msg: ControlMessage,
+    def _on_state(self, job: GridJob, i: int, msg: ControlMessage,
                   ckpt: files.StageCheckpoints) -> None:  # fmt: skip
+        s, d = divmod(i, job.grid.replicas)
+        if d:  # replica 0 of a stage uploads its states; another's is not kept
+            self.counters.add("stage_state_unexpected")
+            log.warning("pipeline: %s sent a state; only replica 0 uploads", job.grid.who(i))
+            return
         if len(msg.blob) % 4 or hashlib.sha256(msg.blob).hexdigest() != msg.doc.get("sha256"):
             self._fail(job, StageFailed, "stage_state_bad_sha256",
-                       f"stage {s} ({job.members[s]}) sent a state whose sha256 does not match",
+                       f"{job.grid.who(i)} sent a state whose sha256 does not match",
                        ckpt)  # fmt: skip
         flat = torch.frombuffer(bytearray(msg.blob), dtype=torch.float32)
         step = int(number(msg.doc.get("step")))
@@ -246,12 +251,12 @@ class PipelineCoordinator:
 
     # -- failures -----------------------------------------------------------------
 
-    def _lost(self, job: _Job, agent: str, kind: str, ckpt: files.StageCheckpoints) -> None:
-        s = job.stage_of(agent)
-        self._fail(job, StageLost, "stage_lost", f"stage {s} (agent {agent}) {kind} near step "
-                   f"{job.step}", ckpt, gone=agent, stage=s)  # fmt: skip
+    def _lost(self, job: GridJob, agent: str, kind: str, ckpt: files.StageCheckpoints) -> None:
+        i = job.index_of(agent)
+        self._fail(job, StageLost, "stage_lost", f"{job.grid.who(i)} {kind} near step "
+                   f"{job.step}", ckpt, gone=agent, at=job.grid.where(agent))  # fmt: skip
 
-    def _nacked(self, job: _Job, s: int, why: str, ckpt: files.StageCheckpoints) -> None:
+    def _nacked(self, job: GridJob, i: int, why: str, ckpt: files.StageCheckpoints) -> None:
         """A stage stopped: blame the member that died, if one did (its neighbours see
         its last-will as soon as we do), else the stage that said so."""
         deadline = Deadline.after(BLAME_S)
@@ -260,15 +265,18 @@ class PipelineCoordinator:
             if gone:
                 self._lost(job, gone[0], "lost", ckpt)
             self._stopping(job, self.fleet.next(0.1))
+        at = divmod(i, job.grid.replicas)
         if why.startswith("refused"):
-            self._fail(job, StageFailed, "stage_refused", f"stage {s} (agent {job.members[s]}) "
-                       f"{why}", ckpt, stage=s)  # fmt: skip
-        self._fail(job, StageFailed, "stage_failed", f"stage {s} (agent {job.members[s]}) "
-                   f"stopped near step {job.step}: {why}", ckpt, stage=s)  # fmt: skip
+            self._fail(job, StageFailed, "stage_refused", f"{job.grid.who(i)} {why}", ckpt,
+                       at=at)  # fmt: skip
+        self._fail(job, StageFailed, "stage_failed", f"{job.grid.who(i)} stopped near step "
+                   f"{job.step}: {why}", ckpt, at=at)  # fmt: skip
 
-    def _fail(self, job: _Job, kind: type[PipelineError], counter: str, why: str,
-              ckpt: files.StageCheckpoints, gone: str = "", stage: int = -1) -> None:  # fmt: skip
-        """Halt the other stages (bounded), log, count, and raise `kind`."""
+    def _fail(self, job: GridJob, kind: type[PipelineError], counter: str, why: str,
+              ckpt: files.StageCheckpoints, gone: str = "",
+              at: tuple[int, int] = (-1, -1)) -> None:  # fmt: skip
+        """Halt the other stages (bounded), log, count, and raise `kind` naming the
+        (stage, replica) `at` and the agent `gone`."""
         self.counters.add(counter)
         kept = (f"last complete checkpoint: step {ckpt.step} in {ckpt.dir}" if ckpt.step >= 0
                 else "no complete checkpoint yet")  # fmt: skip
@@ -280,9 +288,9 @@ class PipelineCoordinator:
         deadline = Deadline.after(self.opts.halt_timeout_s)
         while online - job.stopped and not deadline.expired:
             self._stopping(job, self.fleet.next(0.2))
-        raise kind(message, stage, gone)
+        raise kind(message, at[0], gone, at[1])
 
-    def _stopping(self, job: _Job, item: Control | None) -> None:
+    def _stopping(self, job: GridJob, item: Control | None) -> None:
         """Note a stage that stopped (nack, bye) or went, while the job winds down."""
         if item is not None and item.kind == "member" and item.event is not None:
             if item.event.kind != "joined":
@@ -294,7 +302,7 @@ class PipelineCoordinator:
 
     # -- the end ------------------------------------------------------------------
 
-    def _finish(self, job: _Job, plan: Any, modules: list[Any], task: Any, data: Any,
+    def _finish(self, job: GridJob, plan: Any, modules: list[Any], task: Any, data: Any,
                 ckpt: files.StageCheckpoints, wall: float) -> dict[str, Any]:  # fmt: skip
         for agent in job.members:
             self.fleet.send(job.job, agent, "bye", {"epoch": job.epoch, "why": "done"})
@@ -303,17 +311,9 @@ class PipelineCoordinator:
         files.write_models(out, modules, model)
         test_loss, accuracy = task.evaluate(model, data)
         summary: dict[str, Any] = {
-            "job": job.job, "layout": f"pipeline {len(job.members)} stages x 1 replica",
-            "members": job.members, "plan": plan.to_dict(), "plan_text": plan.describe(),
-            "stages": files.stage_rows(plan, job.members, job.done, RUNTIME_MB),
-            "runtime_allowance_mb": RUNTIME_MB,
+            "job": job.job, **grid_summary(job.grid, plan, job.done, RUNTIME_MB),
             "final_accuracy": accuracy, "test_loss": test_loss,
-            "rounds": max(int(number(d.get("steps"))) for d in job.done.values()),
-            "final_loss": job.done[len(job.members) - 1].get("final_loss"),
             "model_sha256": params_sha256(model),
-            "bubble_fraction": files.bubble(plan, job.done),
-            "bytes_sent_per_agent": sum(number(d.get("bytes_sent")) for d in job.done.values())
-            / len(job.members),
             "epochs": job.epoch + 1, "reformations": job.epoch, "events": self.events,
             "checkpoint_step": ckpt.step, "checkpoint_dir": str(ckpt.dir),
             "model": str(out / "model.pt"), "wall_seconds": wall,

@@ -27,11 +27,12 @@ SEND_S = 30.0
 
 
 class PipelineError(CoordinatorError):
-    """A pipeline job that could not run or finish; `stage` and `agent` name the culprit."""
+    """A pipeline job that could not run or finish; `stage`, `agent` and (in an S x D grid)
+    `replica` name the culprit."""
 
-    def __init__(self, message: str, stage: int = -1, agent: str = "") -> None:
+    def __init__(self, message: str, stage: int = -1, agent: str = "", replica: int = -1) -> None:
         super().__init__(message)
-        self.stage, self.agent = stage, agent
+        self.stage, self.agent, self.replica = stage, agent, replica
 
 
 class StageLost(PipelineError):

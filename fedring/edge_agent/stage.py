@@ -1,7 +1,10 @@
-"""A `fedring agent`'s part in a pipeline job: one stage, trained over the daemon's link.
+"""A `fedring agent`'s part in a pipeline job: one stage (one replica of it), trained over
+the daemon's link.
 
-The coordinator's manifest (``mode = "pipeline"``) names this agent's stage, the
-agent holding every stage, the boards and the cut points it decided; the stage
+The coordinator's manifest (``mode = "pipeline"``) names this agent's stage and
+replica (of D), the agent holding every stage's replicas, the boards and the cut
+points it decided; with D > 1 also its shard's entry (replica d trains on shard d of
+the job's sharding, checked by sha256; D = 1: the whole training set). The stage
 rebuilds that plan from the model's shapes (never re-deriving the split), checks its
 own board's budget against the plan's estimate, and lays out only its own layers
 (`pipeline.materialize`). The next ``model`` message carries those layers' initial
@@ -10,12 +13,14 @@ parameters, checked against the manifest's sha256. Training then runs in a threa
 activations and gradients in signed frames between the agents, while the daemon
 keeps listening: a ``bye`` (halt) or a lost coordinator stops it at once.
 
-Every `checkpoint_every` steps the stage uploads its state (parameters, buffers,
-momentum: `pipeline.assignment.stage_state`) with its sha256; the last stage sends
-its loss every `eval_every` steps; at the end every stage uploads its final state
-and says ``bye`` with its peak RSS (this job's: the kernel's peak is reset when the
-job starts), bytes and seconds. A stage that fails says ``nack`` with the reason;
-the daemon stays up for the next job.
+With D > 1 the D replicas of a stage all-reduce its gradient in their own ring
+(`Reducer`: the job's compression, group-top-k with error feedback). Replica 0 of
+each stage uploads its state every `checkpoint_every` steps (parameters, buffers,
+momentum: `pipeline.assignment.stage_state`) with its sha256, and replica 0 of the
+last stage sends its loss every `eval_every` steps; at the end replica 0 uploads its
+final state and every replica says ``bye`` with its state's sha256, its peak RSS
+(this job's: the kernel's peak is reset when the job starts), bytes and seconds. A
+stage that fails says ``nack`` with the reason; the daemon stays up for the next job.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from fedring.firmware_profiles.schema import Profile
 from fedring.pipeline.assignment import (
     load_stage_state,
     plan_from_shapes,
+    shard_of,
     stage_state,
     state_numel,
 )
@@ -54,6 +60,7 @@ from fedring.pipeline.stage import WireSettings
 from fedring.training.datasets import Dataset, DatasetError
 from fedring.training.lr import LrSchedule
 from fedring.training.models import flat_bytes, flat_sha256
+from fedring.training.sharding import ShardError
 from fedring.transport import topics
 from fedring.transport.base import Deadline
 from fedring.transport.mqtt import MqttEndpoint, MqttLink
@@ -69,7 +76,7 @@ class _StageRun:
     job: str
     epoch: int
     stage: int
-    members: list[str]  # the agent of each stage
+    members: list[str]  # the agent of stage s replica d: members[s * replicas + d]
     spec: JobSpec
     task: Task
     data: Dataset
@@ -77,6 +84,10 @@ class _StageRun:
     module: torch.nn.Module
     params_sha256: str
     start_step: int
+    replica: int = 0
+    replicas: int = 1
+    x: torch.Tensor | None = None  # this replica's shard (None: the whole training set)
+    y: torch.Tensor | None = None
     halt: threading.Event = field(default_factory=threading.Event)
     go: threading.Event = field(default_factory=threading.Event)  # every stage is ready
     thread: threading.Thread | None = None
@@ -165,17 +176,20 @@ class StageHost:
             self.codec.key = bytes.fromhex(str(doc["key"]))  # so that a refusal is signed
             self.current = self._prepare(doc)
         except (KeyError, TypeError, ValueError, SpecError, DatasetError, TaskError,
-                StageSplitError) as exc:  # fmt: skip
+                StageSplitError, ShardError) as exc:  # fmt: skip
             self.counters.add("job_refused")
             log.error("%s refused pipeline job %s: %s", self.me, msg.job, exc)
             self.send(msg.job, "nack", {"epoch": doc.get("epoch"), "why": f"refused: {exc}"})
 
     def _prepare(self, doc: dict[str, Any]) -> _StageRun:
         spec = JobSpec.from_mapping(doc["spec"])
-        stage = int(doc["stage"])
+        stage, replica, replicas = int(doc["stage"]), int(doc.get("replica", 0)), int(
+            doc.get("replicas", 1))
         members = [topics.check_id("peer", str(m)) for m in doc["members"]]
-        if not 0 <= stage < len(members) or members[stage] != self.me:
-            raise JobRefused(f"{self.me} is not stage {stage} of {members}")
+        count = len(doc["starts"])
+        if (replicas < 1 or len(members) != count * replicas or not 0 <= stage < count
+                or not 0 <= replica < replicas or members[stage * replicas + replica] != self.me):
+            raise JobRefused(f"{self.me} is not stage {stage} replica {replica} of {members}")
         boards = [Board(str(n), float(g), float(b)) for n, g, b in doc["boards"]]
         task = build.task_of(spec, self.data_dir, self.allowed_modules)
         data = task.dataset(spec.seed)
@@ -187,12 +201,15 @@ class StageHost:
         if self.budget is not None and mine.memory_mb > self.budget.ram_budget_mb:
             raise JobRefused(f"stage {stage} needs ~{mine.memory_mb:.1f} MB, {self.budget.name}'s "
                              f"budget is {self.budget.ram_budget_mb} MB")  # fmt: skip
+        x, y = shard_of(data, doc.get("shard_entry"), replica, replicas, scheme=spec.sharding,
+                        seed=spec.seed)
         module = materialize(layers, mine.start, mine.end, seed=spec.seed)
-        log.info("%s: stage %d of %d, layers %d..%d, %s params", self.me, stage, len(members),
-                 mine.start, mine.end - 1, f"{mine.params:,}")  # fmt: skip
+        log.info("%s: stage %d of %d (replica %d of %d), layers %d..%d, %s params", self.me,
+                 stage, count, replica, replicas, mine.start, mine.end - 1,
+                 f"{mine.params:,}")  # fmt: skip
         return _StageRun(topics.check_id("job", str(doc["job"])), int(doc["epoch"]), stage,
                          members, spec, task, data, plan, module, str(doc["params_sha256"]),
-                         int(doc.get("start_step", 0)))  # fmt: skip
+                         int(doc.get("start_step", 0)), replica, replicas, x, y)  # fmt: skip
 
     def _on_model(self, run: _StageRun, msg: ControlMessage) -> None:
         if run.thread is not None or len(msg.blob) % 4:
@@ -238,17 +255,23 @@ class StageHost:
 
     def _worker(self, run: _StageRun, channel: PeerChannel) -> GridWorker:
         spec, data = run.spec, run.data
-        sampler = ShardSampler(len(data.x_train), batch_size=spec.batch_size, seed=spec.seed)
+        x = data.x_train if run.x is None else run.x
+        y = data.y_train if run.y is None else run.y
+        sampler = ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed,
+                               rank=run.replica)  # fmt: skip
         for _ in range(run.start_step):
             sampler.next_batch()
         wire = WireSettings(spec.activation_dtype, spec.timeout_s)  # type: ignore[arg-type]
+        d_count = run.replicas
         return build_worker(
-            run.module, run.plan, run.stage, 0, 1,
-            PipelineSettings(spec.micro_batches, spec.pipeline_schedule, wire), channel,
-            loss_fn=run.task.loss, make_optimizer=lambda m: build.optimizer(spec, run.task, m),
-            reducer_settings=ReducerSettings(compression="none"),
-            next_batch=ShardBatches(data.x_train, data.y_train, sampler),
-            names=lambda s, _d: run.members[s],
+            run.module, run.plan, run.stage, run.replica, d_count,
+            PipelineSettings(spec.micro_batches, spec.pipeline_schedule, wire, spec.topology),
+            channel, loss_fn=run.task.loss,
+            make_optimizer=lambda m: build.optimizer(spec, run.task, m),
+            reducer_settings=build.reducer_settings(spec) if d_count > 1
+            else ReducerSettings(compression="none"),
+            next_batch=ShardBatches(x, y, sampler),
+            names=lambda s, d: run.members[s * d_count + d],
         )  # fmt: skip
 
     def _train(self, run: _StageRun) -> dict[str, Any]:
@@ -267,16 +290,17 @@ class StageHost:
         assert run.state is not None
         load_stage_state(run.module, run.state, worker.optimizer)  # with its momentum, if any
         run.state = None
-        lr = LrSchedule(base_lr=spec.lr, scaling=spec.lr_scaling, n_agents=1,
+        lr = LrSchedule(base_lr=spec.lr, scaling=spec.lr_scaling, n_agents=run.replicas,
                         batch_size=spec.batch_size, ref_batch=spec.ref_batch,
                         warmup_steps=spec.warmup_steps)  # fmt: skip
-        last = run.stage == len(run.members) - 1
+        last = run.stage == len(run.plan.stages) - 1 and run.replica == 0
+        first = run.replica == 0  # the replica that uploads the stage's states
         start = time.perf_counter()
         losses: list[float] = []
         for step in range(run.start_step, spec.rounds):
             if run.halt.is_set():
                 raise Halted(f"{self.me}: halted before step {step}")
-            if step > run.start_step and step % spec.checkpoint_every == 0:
+            if first and step > run.start_step and step % spec.checkpoint_every == 0:
                 self._upload(run, step, stage_state(run.module, worker.optimizer), final=False)
                 if run.halt.is_set():
                     raise Halted(f"{self.me}: halted at step {step}")
@@ -288,10 +312,11 @@ class StageHost:
                     losses = []
         train_s = time.perf_counter() - start
         final = stage_state(run.module)
-        self._upload(run, spec.rounds, final, final=True)
+        if first:
+            self._upload(run, spec.rounds, final, final=True)
         stage = worker.stage
         return {
-            "epoch": run.epoch, "stage": run.stage, "steps": spec.rounds,
+            "epoch": run.epoch, "stage": run.stage, "replica": run.replica, "steps": spec.rounds,
             "sha256": flat_sha256(final), "peak_rss_mb": round(peak_rss_mb(), 1),
             "bytes_sent": endpoint.stats.bytes_sent, "payload_bytes": stage.payload_bytes_sent,
             "forward_s": stage.forward_s, "backward_s": stage.backward_s,
@@ -311,3 +336,4 @@ class StageHost:
         row = {"round": step, "loss": loss, "lr": lr, "epoch": run.epoch, "stage": run.stage}
         [frame] = self.codec.encode("metrics", run.job, topics.COORDINATOR, row)
         self.link.publish(topics.metrics(run.job, self.me), frame, Deadline.after(SEND_S))
+

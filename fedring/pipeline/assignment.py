@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,8 @@ from torch import nn
 from fedring.pipeline.cost import LayerCost
 from fedring.pipeline.materialize import traced_costs
 from fedring.pipeline.partition import Board, StagePlan, partition, split_at
+from fedring.training.datasets import Dataset
+from fedring.training.sharding import ShardEntry, ShardError, make_shards, shard_data, verify_shard
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -111,3 +114,20 @@ def load_stage_state(
                 buf = flat[i : i + p.numel()].view_as(p).clone()
                 optimizer.state[p]["momentum_buffer"] = buf
                 i += p.numel()
+
+
+def shard_of(data: Dataset, entry: Any, replica: int, replicas: int, *, scheme: str,
+             seed: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """Replica `replica`'s shard of `replicas` (`make_shards` with the job's scheme and
+    seed, as the in-process grid shards), verified against the coordinator's entry
+    (`ShardError` if it differs); D = 1: none (the whole training set)."""
+    if replicas == 1:
+        return None, None
+    got = ShardEntry.from_dict(entry)
+    if got.n_agents != replicas or got.rank != replica:
+        raise ShardError(f"shard entry {got.rank} of {got.n_agents}, job: replica {replica} "
+                         f"of {replicas}")  # fmt: skip
+    index = make_shards(data.y_train.numpy(), replicas, scheme, seed)[replica]
+    x, y = shard_data(data, index)
+    verify_shard(got, replica, x, y)
+    return x, y

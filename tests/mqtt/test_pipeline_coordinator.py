@@ -186,14 +186,14 @@ def test_a_spare_board_takes_a_killed_stage_from_the_last_checkpoint(
     stages.start("a1")  # the fleet as the other tests found it (a3 stays a spare)
 
 
-def test_a_job_file_for_d_greater_than_one_is_refused_naming_the_field(
+def test_a_grid_job_with_too_few_daemons_ends_at_the_enrol_deadline_naming_the_count(
     broker: Mosquitto, tmp_path: Path
 ) -> None:
-    path = job_toml(tmp_path, agents=6, pipeline_stages=3, compression="none")
+    path = job_toml(tmp_path, agents=6, pipeline_stages=3, compression="none")  # 3 x 2
     proc = coordinator(broker.url, path, tmp_path / "d2", "--enrol-timeout", "5")
     code = proc.wait(60)
     log = " ".join((tmp_path / "d2-coordinator.log").read_text().split())
-    assert code == 1 and "field 'agents'=6" in log, log[-1000:]
+    assert code == 1 and "of 6 agents enrolled within 5 s" in log, log[-1000:]
 
 
 def test_a_model_no_split_of_fits_the_boards_is_refused_naming_stage_and_budget(

@@ -1,0 +1,55 @@
+"""The S x D grid's bookkeeping: who holds what, which boards plan a stage, each
+replica's shard checked against the coordinator's entry, replicas that disagree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedring.coordinator.pipeline_grid import Grid, replicas_differ, shard_entries, stage_boards
+from fedring.pipeline.assignment import shard_of
+from fedring.pipeline.partition import Board
+from fedring.training.datasets import load_dataset
+from fedring.training.sharding import ShardError, make_shards
+
+
+def test_members_are_laid_out_stage_by_stage() -> None:
+    grid = Grid(["a0", "a1", "a2", "a3", "a4", "a5"], stages=3)
+    assert grid.replicas == 2
+    assert [grid.at(s, d) for s in range(3) for d in range(2)] == grid.members
+    assert grid.where("a5") == (2, 1) and grid.where("zz") == (-1, -1)
+    assert grid.who(2) == "stage 1 replica 0 (agent a2)"
+    assert Grid(["a0", "a1"], stages=2).who(1) == "stage 1 (agent a1)"  # D = 1: as before
+
+
+def test_a_stage_is_planned_on_its_slowest_and_smallest_board() -> None:
+    boards = [Board("pi3", 2.0, 400), Board("pi4", 6.0, 900), Board("pi4", 6.0, 900),
+              Board("pi5", 9.0, 1800)]  # fmt: skip
+    got = stage_boards(boards, 2)
+    assert got == [Board("pi3+pi4", 2.0, 400), Board("pi4+pi5", 6.0, 900)]
+    assert stage_boards(boards, 4) == boards
+
+
+def test_each_replica_gets_its_own_shard_checked_by_sha256() -> None:
+    data = load_dataset("digits", seed=0)
+    entries = shard_entries(data, 2, "iid", 0)
+    assert shard_entries(data, 1, "iid", 0) == []
+    x0, _ = shard_of(data, entries[0], 0, 2, scheme="iid", seed=0)
+    x1, y1 = shard_of(data, entries[1], 1, 2, scheme="iid", seed=0)
+    assert x0 is not None and x1 is not None and y1 is not None
+    index = make_shards(data.y_train.numpy(), 2, "iid", 0)[1]
+    assert torch.equal(x1, data.x_train[torch.from_numpy(index)])
+    assert len(x0) + len(x1) == len(data.x_train)
+    with pytest.raises(ShardError):  # another replica's entry
+        shard_of(data, entries[0], 1, 2, scheme="iid", seed=0)
+    with pytest.raises(ShardError):  # another sharding than the coordinator's
+        shard_of(data, entries[1], 1, 2, scheme="iid", seed=1)
+    assert shard_of(data, None, 0, 1, scheme="iid", seed=0) == (None, None)
+
+
+def test_replicas_that_disagree_are_named() -> None:
+    grid = Grid(["a0", "a1", "a2", "a3"], stages=2)
+    same = {0: {"sha256": "x"}, 1: {"sha256": "x"}, 2: {"sha256": "y"}, 3: {"sha256": "y"}}
+    assert replicas_differ(grid, same) == ""
+    why = replicas_differ(grid, {**same, 3: {"sha256": "z"}})
+    assert "stage 1" in why and "a3" in why
