@@ -97,6 +97,10 @@ class PipelineCoordinator:
             why = (f"field 'task'={spec.task!r}: pipeline jobs through the coordinator take a "
                    "built-in model (field 'model')")  # fmt: skip
             raise refused(self.counters, "pipeline_refused", why)
+        if spec.pipeline_cost != "counted":  # its layers live on the meta device: no timing
+            why = (f"field 'pipeline_cost'={spec.pipeline_cost!r}: the coordinator splits "
+                   "by counted multiply-adds (the same split on any load), not by timings")  # fmt: skip
+            raise refused(self.counters, "pipeline_refused", why)
         task = task_of(spec)
         data = task.dataset(spec.seed)
         layers = meta_layers(spec.model, data.feature_shape, data.num_classes)

@@ -53,3 +53,17 @@ def test_replicas_that_disagree_are_named() -> None:
     assert replicas_differ(grid, same) == ""
     why = replicas_differ(grid, {**same, 3: {"sha256": "z"}})
     assert "stage 1" in why and "a3" in why
+
+
+def test_a_measured_split_is_refused_before_the_broker(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The coordinator plans on PyTorch's meta device: it counts, it cannot time."""
+    from fedring.config import JobSpec
+    from fedring.coordinator.pipeline import PipelineCoordinator, PipelineError
+    from fedring.coordinator.service import Options
+    from fedring.transport.mqtt import BrokerConfig
+
+    spec = JobSpec(agents=2, pipeline_stages=2, pipeline_cost="measured")
+    coord = PipelineCoordinator(spec, BrokerConfig.parse("mqtt://127.0.0.1:9"), Options(tmp_path))
+    with pytest.raises(PipelineError, match=r"'pipeline_cost'='measured'"):
+        coord.run()
+    assert coord.counters.get("pipeline_refused") == 1
