@@ -99,7 +99,7 @@ class PipelineCoordinator:
             raise refused(self.counters, "pipeline_refused", why)
         if spec.pipeline_cost != "counted":  # its layers live on the meta device: no timing
             why = (f"field 'pipeline_cost'={spec.pipeline_cost!r}: the coordinator splits "
-                   "by counted multiply-adds (the same split on any load), not by timings")  # fmt: skip
+                   "by counted multiply-adds (the same split on any load)")  # fmt: skip
             raise refused(self.counters, "pipeline_refused", why)
         task = task_of(spec)
         data = task.dataset(spec.seed)
