@@ -166,12 +166,20 @@ def fedring_run(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int, out:
                 timeout_s: float) -> tuple[Run, bool]:  # fmt: skip
     """A fedring job; the row and whether it was capped (the agents need a restart)."""
     run = _run(cell, method, cap_s)
+    fields = dict(FEDRING[method])
+    known = {k: v for k, v in fields.items() if k != "collective"}
     spec = JobSpec(agents=cell.agents, dataset=cell.model.dataset, model=cell.model.model,
                    rounds=ROUNDS, eval_every=EVAL_EVERY[cell.model.dataset],
                    target_accuracy=cell.model.target, seed=seed, checkpoint_every=ROUNDS,
-                   timeout_s=60.0, **FEDRING[method])  # fmt: skip
+                   timeout_s=60.0, **known)  # fmt: skip
+    try:
+        spec = spec.replace(**fields)
+        fields = {}
+    except ValueError:  # a collective newer than this process's code: the coordinator checks it
+        fields = {"collective": fields["collective"]}
     start = time.monotonic()
-    result = lab.run_job(spec, name=f"{cell.slug}/{method}", timeout_s=timeout_s, cap_s=cap_s)
+    result = lab.run_job(spec, name=f"{cell.slug}/{method}", timeout_s=timeout_s, cap_s=cap_s,
+                         fields=fields)  # fmt: skip
     run.wall_seconds = time.monotonic() - start
     rows = result["rows"]
     _score(run, [(float(r["wall_s"]), float(r["accuracy"])) for r in rows
@@ -189,12 +197,12 @@ def fedring_run(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int, out:
 
 
 def chosen_collective(result: dict[str, Any]) -> str:
-    """The algorithm `collective = "auto"` ran, from the summary or the last row that says."""
+    """The algorithm `collective = "auto"` ran: the first field named collective* that
+    holds one, in the summary or the last rows."""
     for source in (result["summary"], *reversed(result["rows"])):
-        for key in ("collective_chosen", "collective"):
-            value = source.get(key)
-            if isinstance(value, str) and value != "auto":
-                return value
+        for key, value in source.items():
+            if key.startswith("collective") and value in ("ring", "fanout", "hub", "torus"):
+                return str(value)
     return "?"
 
 
@@ -208,12 +216,13 @@ def peer_run(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int, out: Pa
     run = _run(cell, method, cap_s)
     where = out / cell.slug / method
     before, start = lab.link_bytes(), time.monotonic()
-    task = {"dataset": cell.model.dataset, "model": cell.model.model,
+    task: dict[str, Any] = {"dataset": cell.model.dataset, "model": cell.model.model,
             "target": cell.model.target, "seed": seed, "out": where, "timeout_s": timeout_s,
             "cap_s": cap_s}  # fmt: skip
     if method == "flower":
         try:
-            summary = run_flower_fedavg(cell.agents, lab.launch, lab.host, rounds=ROUNDS // 100,
+            # about a round a second at most: FedAvg's rounds after the cap are empty loop turns
+            summary = run_flower_fedavg(cell.agents, lab.launch, lab.host, rounds=int(cap_s) + 5,
                                         reach=lab.reach, **task)  # fmt: skip
         finally:
             lab.stop_proxies()
@@ -242,40 +251,57 @@ def run(
     methods: tuple[str, ...],
     *,
     cap_s: float = 60.0,
+    budget_s: float | None = None,
     seed: int = 0,
     out: Path = Path("runs/lab-grid"),
     timeout_s: float = 600.0,
     on_run: Callable[[Run], None] | None = None,
 ) -> dict[str, Any]:
-    """Every method in every cell; writes ``grid.json``, ``grid.md`` and ``grid.png``."""
+    """Every method in every cell, in the order N, bandwidth, delay, model (the last
+    varies fastest). ``grid.json``, ``grid.md`` and ``grid.png`` are rewritten after
+    every cell. With `budget_s`, no cell starts after that many seconds: the ones left
+    are listed in ``not_run``."""
     out.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
     start = time.monotonic()
+    doc: dict[str, Any] = {
+        "cap_s": cap_s, "budget_s": budget_s, "seed": seed, "models": [m.key for m in models],
+        "bandwidths_mbps": list(bandwidths), "delays_ms": list(delays), "agents": list(agents),
+        "methods": list(methods), "bench_seconds": 0.0, "runs": [], "not_run": [],
+    }  # fmt: skip
     peers = [m for m in methods if m not in FEDRING]
     mine = [m for m in methods if m in FEDRING]
     for n in agents:
+        cells = [Cell(n, bw, d, m) for bw in bandwidths for d in delays for m in models]
+        if budget_s is not None and time.monotonic() - start >= budget_s:
+            doc["not_run"] += [asdict(c) for c in cells]
+            continue
         with Lab(n, bandwidths[0], workdir=out / f"n{n}") as lab:
-            for bw in bandwidths:
-                lab.reshape(bw)
-                for delay in delays:
-                    lab.set_delay(delay)
-                    for model in models:
-                        cell = Cell(n, bw, delay, model)
-                        for method in peers:  # before the agent daemons start
-                            runs.append(_guarded(cell, method, cap_s, lambda: peer_run(
-                                lab, cell, method, cap_s, seed, lab.workdir, timeout_s)))  # noqa: B023
-                            _tell(on_run, runs[-1])
-                        _fedring_cell(lab, cell, mine, cap_s, seed, timeout_s, runs, on_run)
-    doc = {"cap_s": cap_s, "seed": seed, "models": [m.key for m in models],
-           "bandwidths_mbps": list(bandwidths), "delays_ms": list(delays),
-           "agents": list(agents), "methods": list(methods),
-           "bench_seconds": time.monotonic() - start,
-           "runs": [asdict(r) for r in runs]}  # fmt: skip
-    (out / "grid.json").write_text(json.dumps(doc, indent=1))
+            for cell in cells:
+                if budget_s is not None and time.monotonic() - start >= budget_s:
+                    doc["not_run"].append(asdict(cell))
+                    continue
+                lab.reshape(cell.bandwidth_mbps)
+                lab.set_delay(cell.delay_ms)
+                for method in peers:  # before the agent daemons start
+                    runs.append(_guarded(cell, method, cap_s, lambda: peer_run(
+                        lab, cell, method, cap_s, seed, lab.workdir, timeout_s)))  # noqa: B023
+                    _tell(on_run, runs[-1])
+                _fedring_cell(lab, cell, mine, cap_s, seed, timeout_s, runs, on_run)
+                doc.update(bench_seconds=time.monotonic() - start, runs=[asdict(r) for r in runs])
+                write(doc, out)
+    doc.update(bench_seconds=time.monotonic() - start, runs=[asdict(r) for r in runs])
+    return write(doc, out)
+
+
+def write(doc: dict[str, Any], out: Path) -> dict[str, Any]:
+    """``grid.json``, ``grid.md`` (the tables) and ``grid.png`` (the plot) in `out`."""
     from fedring.bench.lab_grid_report import plot, tables
 
+    (out / "grid.json").write_text(json.dumps(doc, indent=1))
     (out / "grid.md").write_text(tables(doc) + "\n")
-    doc["plot"] = str(plot(doc, out / "grid.png"))
+    if doc["runs"]:
+        doc["plot"] = str(plot(doc, out / "grid.png"))
     return doc
 
 

@@ -76,7 +76,7 @@ def tables(doc: dict[str, Any]) -> str:
         params = next(iter(runs.values()))["params"]
         row = [str(n), f"{model} ({params:,})", f"{bw:g}", f"{delay:g}"]
         row += [seconds(runs[m]) if m in runs else "not run" for m in methods]
-        row += [runs["auto"]["collective"] if "auto" in runs else "–", auto_vs_best(runs)]
+        row += [runs["auto"]["collective"] or "–" if "auto" in runs else "–", auto_vs_best(runs)]
         lines.append("| " + " | ".join(row) + " |")
     peers = [m for m in PEERS if m in methods]
     lines += ["", "Speed-up of fedring (auto where it ran, else the fastest fixed collective) "
@@ -90,6 +90,11 @@ def tables(doc: dict[str, Any]) -> str:
         row = [str(n), model, f"{bw:g}", f"{delay:g}", name]
         row += [speedup(mine, runs[m]) if m in runs else "not run" for m in peers]
         lines.append("| " + " | ".join(row) + " |")
+    if doc.get("not_run"):
+        lines += ["", "Cells not run (the grid's time budget ran out before they started):", ""]
+        lines += [f"- N={c['agents']}, {c['bandwidth_mbps']:g} Mbit/s, {c['delay_ms']:g} ms, "
+                  f"{c['model']['dataset']}/{c['model']['model']}"
+                  for c in doc["not_run"]]  # fmt: skip
     errors = [r for r in doc["runs"] if r["error"]]
     if errors:
         lines += ["", "Errors:", ""]

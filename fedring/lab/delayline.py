@@ -167,8 +167,11 @@ def _ip(prefix: list[str], *argv: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedring.lab.delayline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m fedring.lab.delayline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     fwd = sub.add_parser("forward", help="hold every frame between interface pairs")
     fwd.add_argument("--delay-ms", type=float, required=True)

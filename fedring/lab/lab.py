@@ -43,10 +43,12 @@ class LabRunError(RuntimeError):
     """A job in the lab failed or ran past its time (the logs are named)."""
 
 
-def write_job(spec: JobSpec, path: Path) -> Path:
-    """The job as a TOML file for `fedring coordinator run` (every field, explicitly)."""
+def write_job(spec: JobSpec, path: Path, fields: Mapping[str, Any] | None = None) -> Path:
+    """The job as a TOML file for `fedring coordinator run` (every field, explicitly);
+    `fields` are written over the spec's, unchecked here: the coordinator checks them
+    (a value that only the code the coordinator runs knows)."""
     lines = ["[job]"]
-    for key, value in spec.resolved().items():
+    for key, value in {**spec.resolved(), **(fields or {})}.items():
         lines.append(f"{key} = {json.dumps(value)}")
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -246,7 +248,8 @@ class Lab:
         return {node: netns.link_bytes(self.net, node) for node in self.net.nodes()}
 
     def run_job(self, spec: JobSpec, *, name: str = "job", timeout_s: float = 600.0,
-                onnx: bool = False, cap_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+                onnx: bool = False, cap_s: float | None = None,
+                fields: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
         """Run one job with the coordinator on the hub; its summary, per-round rows and
         the bytes each agent's interface sent and received during it.
 
@@ -255,7 +258,7 @@ class Lab:
         summary made from them. The agents may still be in the job: restart them."""
         out = self.workdir / name
         out.mkdir(parents=True, exist_ok=True)
-        job = write_job(spec, out / "job.toml")
+        job = write_job(spec, out / "job.toml", fields)
         argv = [sys.executable, "-m", "fedring", "coordinator", "run", str(job),
                 "--broker", self.broker_url, "--out", str(out), "--enrol-timeout", "120",
                 "--onnx" if onnx else "--no-onnx", "--json"]  # fmt: skip
