@@ -190,7 +190,9 @@ def simulate_cmd(
     collective: str | None = typer.Option(
         None,
         help="ring (2(N-1) steps) | fanout (each broadcasts once, all sum) | hub (rank 0 sums "
-        "and broadcasts once): one step instead of 2(N-1) where a round is latency. [ring]",
+        "and broadcasts once): one step instead of 2(N-1) where a round is latency | auto "
+        "(the smallest round an alpha-beta model predicts from the members' probes; "
+        "in-process: codec cost only, no link). [ring]",
     ),
     sync: str | None = typer.Option(None, help="sync | local | adaptive | async. [sync]"),
     local_steps: int | None = typer.Option(

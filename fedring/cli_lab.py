@@ -51,7 +51,9 @@ def run_cmd(
     compression: str | None = typer.Option(None, help="none | group-topk. [group-topk]"),
     sync: str | None = typer.Option(None, help="sync | local | adaptive. [sync]"),
     collective: str | None = typer.Option(
-        None, help="ring | fanout (one broadcast each) | hub (rank 0 sums, broadcasts). [ring]"
+        None,
+        help="ring | fanout (one broadcast each) | hub (rank 0 sums, broadcasts) | auto (the "
+        "coordinator predicts each from the agents' probes and takes the fastest). [ring]",
     ),
     rounds: int | None = typer.Option(None, help="Rounds. [600]"),
     target_accuracy: float | None = typer.Option(None, help="Stop once reached. [0: never]"),

@@ -25,7 +25,7 @@ SYNC_MODES = ("sync", "local", "adaptive", "async")
 COMPRESSIONS = ("none", "group-topk")
 POLICIES = ("bounded", "exact")
 TOPOLOGIES = ("auto", "ring", "torus", "star")
-COLLECTIVES = ("ring", "fanout", "hub")  # fedring.collective.fanout.COLLECTIVES
+COLLECTIVES = ("ring", "fanout", "hub", "auto")  # auto: `build.choose_collective`
 LR_SCALINGS = ("linear", "sqrt", "none")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 INITS = ("sent", "derived")
@@ -57,7 +57,8 @@ class JobSpec:
     policy: str = "bounded"  # sparse ring policy: bounded | exact
     topology: str = "auto"  # auto | ring | torus (2-D ring) | star (a centre: median, trimmed)
     # How a round's sum travels: ring (2(N-1) steps, or the topology's torus) | fanout
-    # (each broadcasts once, all sum) | hub (rank 0 sums, broadcasts once); docs/lab.md.
+    # (each broadcasts once, all sum) | hub (rank 0 sums, broadcasts once) | auto (the
+    # smallest predicted from the members' probes, re-planned when the ring re-forms).
     collective: str = "ring"
     sync: str = "sync"  # sync | local | adaptive | async
     local_steps: int = 4  # H: local steps between syncs (local, adaptive, async)
@@ -290,8 +291,9 @@ def _check_choice(spec: JobSpec, name: str, choices: tuple[str, ...]) -> None:
 
 
 def _check_collective(spec: JobSpec, kind: str) -> None:
-    """A one-step collective replaces the ring of a synchronous mean: nothing else."""
-    if spec.collective == "ring":
+    """A one-step collective replaces the ring of a synchronous mean: nothing else
+    (``auto`` keeps the ring where it may not)."""
+    if spec.collective in ("ring", "auto"):
         return
     if (spec.topology not in ("auto", "ring") or spec.sync == "async"
             or kind not in ("mean", "weighted") or spec.pipeline_stages != 1):  # fmt: skip

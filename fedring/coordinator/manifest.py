@@ -22,11 +22,12 @@ from fedring.training.sharding import ShardManifest
 
 def segment_docs(
     ck: Checkpoint, members: list[str], epoch: int, start: int, frame_bytes: int,
-    mode: str = "ring", mixed: bool = False,
+    mode: str = "ring", mixed: bool = False, collective: str = "",
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Each member's manifest for the segment of `members` from round `start`; `mode`
     "async" sends the deltas through the coordinator (an async job or a degraded ring);
-    `mixed`: the members run on more than one CPU architecture (`engine.resync`)."""
+    `mixed`: the members run on more than one CPU architecture (`engine.resync`);
+    `collective`: the one this segment runs (the job's, or what ``auto`` chose)."""
     table = ShardManifest.from_dict(ck.shard_manifest)
     topology, world = str(ck.spec.get("topology", "auto")), len(members)
     weights = [1.0 / world] * world  # each member's share of the mean
@@ -34,7 +35,8 @@ def segment_docs(
         sizes = [table.sizes[ck.shards[m]] for m in members]  # capped as `simulate` does
         weights = capped_weights(sizes, float(ck.spec.get("weight_cap", 2.0))).tolist()
 
-    collective = str(ck.spec.get("collective", "ring"))
+    collective = collective or str(ck.spec.get("collective", "ring"))
+    collective = "ring" if collective == "auto" else collective  # (unplanned: the ring)
 
     def peers(rank: int) -> dict[str, str]:
         near = set(contacts(topology, world, rank))
@@ -52,7 +54,7 @@ def segment_docs(
             "shard_entry": table.entry(ck.shards[agent]).to_dict(),
             "model_sha256": ck.model_sha256, "start_round": start,
             "params_sha256": ck.params_sha256, "max_frame_bytes": frame_bytes,
-            "task": ck.task or None, "mode": mode, "mixed": mixed,
+            "task": ck.task or None, "mode": mode, "mixed": mixed, "collective": collective,
         }
         for rank, agent in enumerate(members)
     }  # fmt: skip

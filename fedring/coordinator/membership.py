@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedring.collective.cost import Probe
+
 
 def number(value: Any) -> float:
     """A figure an agent announced (hello, ack): finite and >= 0, else 0 (unknown)."""
@@ -83,6 +85,25 @@ class Fleet:
     def mixed(self, members: list[str]) -> bool:
         """Whether `members` run on more than one CPU architecture (`engine.resync`)."""
         return len({m for m in map(self.machine, members) if m}) > 1
+
+    def cost_probe(self, agent: str) -> Probe:
+        """The agent's link and codec as its hello announced them (`collective.cost`);
+        an older agent's hello has only `link_bps`, taken for both directions."""
+        hello = self.hellos.get(agent, {})
+        link = self.link(agent)
+
+        def pair(key: str) -> tuple[float, float]:
+            value = hello.get(key)
+            if isinstance(value, list | tuple) and len(value) == 2:
+                return number(value[0]), number(value[1])
+            return 0.0, 0.0
+
+        return Probe(
+            rtt_s=number(hello.get("rtt_s")),
+            up_bps=number(hello.get("up_bps")) or link,
+            down_bps=number(hello.get("down_bps")) or link,
+            encode_s=pair("encode_s"), decode_s=pair("decode_s"),
+        )  # fmt: skip
 
     def probes(self, members: list[str]) -> dict[str, dict[str, float | None]]:
         return {a: {"step_s": self.step_s.get(a), "link_bps": self.link(a)} for a in members}

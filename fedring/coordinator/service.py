@@ -41,6 +41,7 @@ from fedring.config import JobSpec
 from fedring.coordinator import outputs
 from fedring.coordinator.centre import StarCentre
 from fedring.coordinator.checkpoint import Checkpoint
+from fedring.coordinator.collectives import CollectivePlans
 from fedring.coordinator.degrade import Degrade
 from fedring.coordinator.manifest import segment_docs
 from fedring.coordinator.membership import Fleet, number
@@ -109,6 +110,7 @@ class Coordinator:
         self.start = time.perf_counter()
         self.wall_before = 0.0  # seconds earlier coordinator processes ran this job
         self.degrade = Degrade(spec)  # a ring that keeps breaking goes asynchronous
+        self.collectives = CollectivePlans()  # each epoch's collective (`auto`: planned)
 
     # -- the job ------------------------------------------------------------------
 
@@ -304,10 +306,12 @@ class Coordinator:
         ck = self.ck
         assert ck is not None
         log.info("epoch %d: ring %s from round %d", ep.number, ep.members, ep.start)
+        collective = self.collectives.plan(self.spec, ep.number, ep.members, self.fleet,
+                                           self._plan().initial.numel(), ep.start)  # fmt: skip
         docs = segment_docs(ck, ep.members, ep.number, ep.start,
                             self.fleet.frame_bytes(ep.members),
                             "async" if self.asynchronous else "ring",
-                            self.fleet.mixed(ep.members))  # fmt: skip
+                            self.fleet.mixed(ep.members), collective)  # fmt: skip
         for agent, doc in docs.items():
             self._send(agent, "manifest", doc, sign=False)
             if ck.params is not None:
@@ -416,6 +420,7 @@ class Coordinator:
             if self.t0 is not None:
                 row = {**row, "wall_s": round(time.perf_counter() - self.t0, 4)}
             self.last_row = row
+            row = self.collectives.tag(row)
             self.rows[rnd] = {k: v for k, v in row.items() if k not in ("sha256", "machine")}
             outputs.append_row(self.opts.out, self.rows[rnd])  # a crash keeps the history
             if self.opts.on_round is not None:
@@ -454,7 +459,9 @@ class Coordinator:
         assert self.ck is not None
         self.ck.params, self.ck.round, self.ck.epoch = params, rnd, ep.number
         self.ck.events, self.ck.wall_s = self.events, self._wall()
+        started = time.perf_counter()
         self.ck.save(self.opts.out)
+        self.collectives.saves.append(time.perf_counter() - started)  # the head waits on it
 
     def _reform(self, ep: _Epoch, why: str) -> bool:
         """Halt the survivors and wait until they stopped; the caller starts a new epoch."""
@@ -543,13 +550,14 @@ class Coordinator:
             summary["onnx"] = outputs.export(self.opts.out, self.counters)
         ring = [b["ring"] for b in summary["agent_bytes"].values()]
         summary["bytes_sent_per_agent"] = sum(ring) / max(len(ring), 1)
-        n = len(ep.members)
+        n, collective = len(ep.members), self.collectives.current(self.spec)
         summary["layout"] = (
             "async star" if self.asynchronous
             else f"star of {n}" if self.spec.topology == "star"
-            else f"{self.spec.collective} of {n}" if self.spec.collective != "ring"
+            else f"{collective} of {n}" if collective != "ring"
             else layout_name(self.spec.topology, n)
         )  # fmt: skip
+        summary["collective"] = self.collectives.summary(self.spec, self.rows, self.fleet)
         summary["coordinator_counters"] = self.counters.snapshot()
         rows = [self.rows[r] for r in sorted(self.rows)]
         outputs.write(self.opts.out, self.spec.replace(agents=len(ep.members)), summary, rows)

@@ -31,6 +31,8 @@ import torch
 
 from fedring.build import opens_centre
 from fedring.collective.channel import CollectiveError, CollectiveTimeout
+from fedring.collective.fanout import COLLECTIVES
+from fedring.compression.probe import codec_cost
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
 from fedring.edge_agent.worker import Halted, JobRefused, JobWorker, Segment
@@ -139,9 +141,11 @@ class AgentDaemon:
 
     def _hello(self) -> None:
         assert self.link is not None
+        encode_s, decode_s = codec_cost()  # the collective's cost model (`auto`)
         doc = {
             "id": self.me, "session": self.link.session, "profile": self.profile,
-            "step_s": _step_time(), "link_bps": self.link.probe_bandwidth(),
+            "step_s": _step_time(), **self.link.probe_link(),
+            "encode_s": list(encode_s), "decode_s": list(decode_s),
             "threads": self.threads, "machine": self.machine,
         }  # fmt: skip
         [frame] = self.codec.encode("hello", "-", topics.COORDINATOR, doc, sign=False)
@@ -188,7 +192,7 @@ class AgentDaemon:
                 params_sha256=str(doc.get("params_sha256", "")), head=str(doc["head"]),
                 max_frame_bytes=int(doc.get("max_frame_bytes", 0)),
                 asynchronous=doc.get("mode") == "async", weight=float(doc.get("weight", 0.0)),
-                mixed=doc.get("mixed") is True,
+                mixed=doc.get("mixed") is True, collective=_collective(doc),
             )  # fmt: skip
             if seg.members[int(doc["rank"])] != self.me:
                 raise JobRefused(f"{self.me} is not rank {doc['rank']} of the ring: "
@@ -378,3 +382,11 @@ def ring_view(doc: dict[str, Any]) -> list[str]:
             raise ValueError(f"manifest: peer position {pos!r} outside 0..{world - 1}")
         view[int(pos)] = topics.check_id("peer", str(name))
     return view
+
+
+def _collective(doc: dict[str, Any]) -> str:
+    """The collective the manifest names for this segment ("" : the job's own)."""
+    value = doc.get("collective", "")
+    if value not in ("", *COLLECTIVES):
+        raise JobRefused(f"manifest field 'collective'={value!r} must be one of {COLLECTIVES}")
+    return str(value)

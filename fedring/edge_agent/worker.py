@@ -89,10 +89,17 @@ class Segment:
     asynchronous: bool = False  # through the coordinator: an async job, or a degraded ring
     weight: float = 0.0  # this member's share of the mean; 0: 1 / members
     mixed: bool = False  # the members run on more than one CPU architecture (re-sync)
+    collective: str = ""  # ring | fanout | hub: what the coordinator planned; "": the job's
 
     @property
     def channel_job(self) -> str:
         return f"{self.job}.e{self.epoch}"
+
+
+def segment_collective(seg: Segment, spec: JobSpec) -> str:
+    """The segment's planned collective; a job's ``auto`` never planned runs the ring."""
+    chosen = seg.collective or spec.collective
+    return "ring" if chosen == "auto" else chosen
 
 
 class JobWorker:
@@ -250,7 +257,7 @@ class JobWorker:
             hub = Centre(PeerChannel(centre, seg.channel_job, key=key, counters=counters,
                                      limits=limits), topics.COORDINATOR)  # fmt: skip
         m = self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s, hub,
-                            algorithm=spec.collective), seg.weight)  # fmt: skip
+                            algorithm=segment_collective(seg, spec)), seg.weight)  # fmt: skip
 
         def before(r: int) -> None:
             if gate is not None:

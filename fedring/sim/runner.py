@@ -20,6 +20,7 @@ import torch
 
 from fedring import build
 from fedring.build import plan
+from fedring.choose import choose_collective, in_process_probes
 from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
@@ -73,6 +74,10 @@ def simulate(
         return simulate_async(spec, plan(spec), on_round, on_done)
     start = time.perf_counter()
     p = plan(spec)
+    choice = None
+    if spec.collective == "auto":  # planned like the coordinator's, from in-process probes
+        choice = choose_collective(spec, p.initial.numel(), in_process_probes(spec.agents))
+        spec = spec.replace(collective=choice.algorithm)
     prepared = [prepare_model(spec, p, r) for r in range(spec.agents)]
     torch.set_num_threads(1)  # N agent threads on a small machine: no intra-op oversubscription
     hub, counters = InprocTransport(cooperative=True), Counters()
@@ -115,6 +120,8 @@ def simulate(
     models = [m.state.model for m in members]
     summary = summarise(spec, p, results, models, channels, time.perf_counter() - start)
     summary["counters"] = counters.snapshot()
+    if choice is not None:
+        summary["collective"] = [{"epoch": 0, "members": spec.agents, **choice.to_dict()}]
     if on_done is not None:
         on_done(models[0], p.dataset)
     return summary

@@ -595,13 +595,16 @@ class MqttLink:
                 self._check_silences(now)
 
     def _on_beat(self, who: str, payload: bytes) -> None:
-        """A beat is ``SESSION KEEPALIVE``: the peer's own keep-alive sets its limit."""
+        """A beat is ``SESSION KEEPALIVE``: the peer's own keep-alive sets its limit.
+        A watcher hears its own beats too (it subscribes to every agent's): ignored."""
+        if who == self.me:
+            return
         session, _, keepalive = payload[:64].decode("ascii", "replace").partition(" ")
         try:
             limit = SILENT_AFTER * float(keepalive)
         except ValueError:
             limit = 0.0
-        if who == self.me or not 0 < limit < 1e6:
+        if not 0 < limit < 1e6:
             self.counters.add("bad_beat")
             return
         events: list[MembershipEvent] = []
@@ -681,19 +684,52 @@ class MqttLink:
 
     def probe_bandwidth(self, total: int = 256 * 1024, piece: int = 64 * 1024) -> float:
         """Bytes per second of a round trip through the broker (0.0 if it fails)."""
+        return self.probe_link(total, piece).get("link_bps", 0.0)
+
+    def probe_link(self, total: int = 256 * 1024, piece: int = 64 * 1024) -> dict[str, float]:
+        """This link to the broker, measured on the link's own probe topic (0.0: failed).
+
+        ``rtt_s``: the best of three tiny messages there and back. ``up_bps``: `total`
+        bytes published (QoS 1) until the broker acknowledged the last, less one round
+        trip. ``link_bps``: the same bytes there and back. ``down_bps``: the round trip
+        less one ``rtt_s``, so the slower direction's rate: a lower bound of the down
+        link when the up link is the slower one.
+        """
+        out = {"rtt_s": 0.0, "up_bps": 0.0, "down_bps": 0.0, "link_bps": 0.0}
+        if self._closed or self._client is None:
+            return out
         while not self._probe_seen.empty():
             self._probe_seen.get_nowait()
         deadline = Deadline.after(10.0)
-        start = time.perf_counter()
-        pieces = max(1, total // piece)
         try:
-            for _ in range(pieces):
-                self.publish(topics.probe(self.me), bytes(piece), deadline)
+            rtts = []
+            for _ in range(3):
+                start = time.perf_counter()
+                self.publish(topics.probe(self.me), b"rtt", deadline)
+                self._probe_seen.get(timeout=deadline.remaining() or 1e-3)
+                rtts.append(time.perf_counter() - start)
+            rtt = min(rtts)
+            pieces = max(1, total // piece)
+            start = time.perf_counter()
+            infos = [self._client.publish(topics.probe(self.me), bytes(piece), qos=1)
+                     for _ in range(pieces)]  # fmt: skip
+            for info in infos:
+                info.wait_for_publish(timeout=deadline.remaining() or 1e-3)
+            up = time.perf_counter() - start
             for _ in range(pieces):
                 self._probe_seen.get(timeout=deadline.remaining() or 1e-3)
-        except (queue.Empty, TransportError):
-            return 0.0
-        return pieces * piece / max(time.perf_counter() - start, 1e-9)
+            both = time.perf_counter() - start
+        except (queue.Empty, TransportError, RuntimeError, ValueError):
+            return out
+        self.stats.frames_sent += 3 + pieces
+        self.stats.bytes_sent += 9 + pieces * piece
+        size = pieces * piece
+        return {
+            "rtt_s": rtt,
+            "up_bps": size / max(up - rtt, 1e-6),
+            "down_bps": size / max(both - rtt, 1e-6),
+            "link_bps": size / max(both, 1e-9),
+        }
 
     def interrupt(self, channel_job: str) -> None:
         """Wake a `PeerChannel` of `channel_job` blocked in `recv`: it raises

@@ -287,3 +287,27 @@ def test_a_watcher_sees_a_hung_peer_within_1_5_keepalives_and_takes_it_back(
         hung.kill()
         hung.wait(5)
         watcher.close()
+
+
+def test_a_watcher_ignores_its_own_beats_and_counts_malformed_ones(broker: Mosquitto) -> None:
+    """The coordinator's link subscribes to every agent's beat, its own included: that
+    is not a bad beat. One with no usable keep-alive is, and changes nothing."""
+    from fedring.transport import topics
+
+    watcher = MqttLink(BrokerConfig.parse(broker.url, keepalive=2), "w", watch=True).connect()
+    spy = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="spy")
+    spy.connect("127.0.0.1", broker.port)
+    spy.loop_start()
+    try:
+        time.sleep(2.5)  # about four of its own beats
+        assert watcher.counters.get("bad_beat") == 0
+        spy.publish(topics.beat("x"), b"s1 never", qos=1).wait_for_publish(5)
+        deadline = time.monotonic() + 5
+        while watcher.counters.get("bad_beat") == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watcher.counters.get("bad_beat") == 1
+        assert "x" not in watcher.peers()
+    finally:
+        spy.loop_stop()
+        spy.disconnect()
+        watcher.close()

@@ -1,0 +1,134 @@
+"""How long a round's all-reduce takes with each collective: an alpha-beta model.
+
+``collective = "auto"`` picks the collective of a job from this model. Every member
+has probed its link to the broker and its own codec (`Probe`): the round trip of a
+tiny message through the broker (alpha), its up and down bytes per second (beta),
+and the seconds its CPU takes to compress and to decode-and-add `n` entries, fitted
+as ``fixed + per_entry * n`` (the fixed part is the per-frame Python work that
+dominates small models). For one payload of `payload_bytes` per member (group-top-k
+at the job's density, or the dense fp32 vector) the model predicts:
+
+- **ring** (a torus for the layouts that have one): sum over the axes of 2(D-1)
+  steps; each step is one broker round trip, a chunk up and a chunk down, and the
+  codec work on the chunk (re-select and decode in reduce-scatter, decode in
+  all-gather); one step waits for the slowest member.
+- **fanout**: one step; each member sends its payload once and receives the other
+  N-1 (its downlink carries (N-1) payloads), then decodes all N.
+- **hub**: two steps; the hub (rank 0) receives N-1 payloads, decodes and sums
+  them, and sends the sum (their union of supports, at most the dense vector) once
+  to every member, which decodes it.
+
+Compute, the head's checkpoint upload and the coordinator's messages are the same
+whichever collective runs, so the choice does not depend on them; the caller adds
+them to the predicted round for the metrics. The model is deliberately simple: the
+job's metrics carry its prediction beside the measured round, so a wrong choice
+shows (`docs/lab.md`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fedring.collective.torus import layout_dims
+
+ALGORITHMS = ("ring", "fanout", "hub")  # in the order ties are broken
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One member's measured link and codec; a figure <= 0 is unknown."""
+
+    rtt_s: float = 0.0  # a tiny message to the broker and back
+    up_bps: float = 0.0  # bytes per second towards the broker
+    down_bps: float = 0.0  # bytes per second from the broker
+    encode_s: tuple[float, float] = (0.0, 0.0)  # compress n entries: fixed + per entry
+    decode_s: tuple[float, float] = (0.0, 0.0)  # decode n entries and add them
+
+    def encode(self, n: float) -> float:
+        return max(self.encode_s[0], 0.0) + max(self.encode_s[1], 0.0) * n
+
+    def decode(self, n: float) -> float:
+        return max(self.decode_s[0], 0.0) + max(self.decode_s[1], 0.0) * n
+
+    def up(self, nbytes: float) -> float:
+        return nbytes / self.up_bps if self.up_bps > 0 else 0.0
+
+    def down(self, nbytes: float) -> float:
+        return nbytes / self.down_bps if self.down_bps > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one round all-reduces: `numel` entries, `payload_bytes` per member on the
+    wire, and the sum of N payloads at most `dense_bytes` (the hub sends the smaller)."""
+
+    numel: int
+    payload_bytes: float
+    dense_bytes: float
+    topology: str = "auto"
+
+
+@dataclass(frozen=True)
+class Choice:
+    algorithm: str
+    predicted_s: dict[str, float]  # every candidate's predicted all-reduce seconds
+
+    def to_dict(self) -> dict[str, object]:
+        return {"chosen": self.algorithm,
+                "predicted_s": {k: round(v, 6) for k, v in self.predicted_s.items()}}  # fmt: skip
+
+
+def ring_seconds(probes: list[Probe], work: Workload) -> float:
+    """Reduce-scatter and all-gather over each axis of the layout (`collective.torus`)."""
+    world = len(probes)
+    if world < 2:
+        return 0.0
+    total, share, entries = 0.0, work.payload_bytes, float(work.numel)
+    total += max(p.encode(entries) for p in probes)  # each member compresses its gradient
+    for d in layout_dims(work.topology, world) or (world,):
+        share, entries = share / d, entries / d
+        step = max(p.rtt_s + p.up(share) + p.down(share) for p in probes)
+        reduce = max(p.decode(entries) + p.encode(entries) for p in probes)
+        gather = max(p.decode(entries) for p in probes)
+        total += (d - 1) * (2 * step + reduce + gather)
+    return total
+
+
+def fanout_seconds(probes: list[Probe], work: Workload) -> float:
+    world = len(probes)
+    if world < 2:
+        return 0.0
+    send = max(p.encode(work.numel) + p.up(work.payload_bytes) for p in probes)
+    take = max(p.rtt_s + p.down((world - 1) * work.payload_bytes)
+               + world * p.decode(work.numel) for p in probes)  # fmt: skip
+    return send + take
+
+
+def hub_seconds(probes: list[Probe], work: Workload) -> float:
+    world = len(probes)
+    if world < 2:
+        return 0.0
+    hub, members = probes[0], probes[1:]
+    summed = min(world * work.payload_bytes, work.dense_bytes)
+    send = max(p.encode(work.numel) + p.up(work.payload_bytes) for p in members)
+    gather = hub.rtt_s + hub.down((world - 1) * work.payload_bytes)
+    combine = world * hub.decode(work.numel) + hub.encode(work.numel)
+    spread = hub.up(summed) + max(p.rtt_s + p.down(summed) + p.decode(work.numel) for p in members)
+    return send + gather + combine + spread
+
+
+SECONDS = {"ring": ring_seconds, "fanout": fanout_seconds, "hub": hub_seconds}
+
+
+def predict(algorithm: str, probes: list[Probe], work: Workload) -> float:
+    return SECONDS[algorithm](probes, work)
+
+
+def choose(probes: list[Probe], work: Workload, candidates: tuple[str, ...] = ALGORITHMS) -> Choice:
+    """The candidate with the smallest predicted all-reduce; ties go to the earlier one."""
+    predicted = {a: predict(a, probes, work) for a in candidates}
+    best = min(candidates, key=lambda a: (predicted[a], candidates.index(a)))
+    if not all(math.isfinite(v) for v in predicted.values()):
+        best = candidates[0]
+    return Choice(best, predicted)
