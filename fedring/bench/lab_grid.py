@@ -197,13 +197,14 @@ def fedring_run(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int, out:
 
 
 def chosen_collective(result: dict[str, Any]) -> str:
-    """The algorithm `collective = "auto"` ran: the first field named collective* that
-    holds one, in the summary or the last rows."""
-    for source in (result["summary"], *reversed(result["rows"])):
-        for key, value in source.items():
-            if key.startswith("collective") and value in ("ring", "fanout", "hub", "torus"):
-                return str(value)
-    return "?"
+    """The algorithms `collective = "auto"` ran, in order ("fanout", "ring→fanout"),
+    from the rows' ``collective`` field; "?" where no row says."""
+    seen: list[str] = []
+    for row in result["rows"]:
+        value = row.get("collective")
+        if isinstance(value, str) and value != "auto" and (not seen or seen[-1] != value):
+            seen.append(value)
+    return "→".join(seen) or "?"
 
 
 def peer_run(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int, out: Path,

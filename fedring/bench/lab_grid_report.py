@@ -79,12 +79,13 @@ def tables(doc: dict[str, Any]) -> str:
         row += [runs["auto"]["collective"] or "–" if "auto" in runs else "–", auto_vs_best(runs)]
         lines.append("| " + " | ".join(row) + " |")
     peers = [m for m in PEERS if m in methods]
-    lines += ["", "Speed-up of fedring (auto where it ran, else the fastest fixed collective) "
+    lines += [] if not peers else [
+              "", "Speed-up of fedring (auto where it ran, else the fastest fixed collective) "
               "over each peer: the peer's seconds over fedring's:", "",
               "| N | model | Mbit/s | delay ms | fedring | "
               + " | ".join(f"× {LABELS[m]}" for m in peers) + " |",
               "|" + "---|" * (len(peers) + 5)]  # fmt: skip
-    for (n, bw, delay, model), runs in cells(doc):
+    for (n, bw, delay, model), runs in cells(doc) if peers else ():
         mine = reference(runs)
         name = "–" if mine is None else mine["method"]
         row = [str(n), model, f"{bw:g}", f"{delay:g}", name]
