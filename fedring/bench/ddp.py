@@ -157,7 +157,10 @@ class _Shard:
 def _train(args: argparse.Namespace, spec: JobSpec, trainer: _Shard, ds: Dataset) -> Outcome:
     """DDP steps with fedring's lr schedule until the target (all ranks agree) or `rounds`."""
     sched = lr_schedule(spec)
-    ddp = DistributedDataParallel(trainer.model)
+    # PowerSGD waits on gloo inside gloo's callbacks: with two buckets (DDP's default
+    # first bucket is 1 MiB) both of gloo's worker threads block and the first
+    # compressed step hangs (mlp:512x512, 4 ranks). An explicit cap makes one bucket.
+    ddp = DistributedDataParallel(trainer.model, bucket_cap_mb=25 if args.powersgd_rank else None)
     if args.powersgd_rank:
         register_powersgd(ddp, args.world, rank=args.powersgd_rank,
                           start_iter=args.powersgd_start, seed=args.seed)  # fmt: skip
