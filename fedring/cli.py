@@ -30,7 +30,7 @@ from rich.table import Table
 
 from fedring import __version__, cli_export, cli_mqtt, cli_profile
 from fedring.cli_flower import flower_app
-from fedring.cli_lab import bench_lab_cmd, lab_app
+from fedring.cli_lab import bench_grid_cmd, bench_lab_cmd, lab_app
 from fedring.extras import explain
 
 app = typer.Typer(
@@ -50,6 +50,7 @@ app.add_typer(bench_app, name="bench")
 app.command("agent")(cli_mqtt.agent_cmd)
 bench_app.command("mqtt")(cli_mqtt.bench_mqtt_cmd)
 bench_app.command("lab")(bench_lab_cmd)
+bench_app.command("grid")(bench_grid_cmd)
 app.add_typer(cli_mqtt.coordinator_app, name="coordinator")
 app.add_typer(cli_export.export_app, name="export")
 app.add_typer(cli_profile.profile_app, name="profile")

@@ -199,3 +199,70 @@ def bench_lab_cmd(
         return
     print(edge_lab.table(doc))
     print(f"\nplot: {doc['plot']}  ({doc['bench_seconds']:.0f} s in all)")
+
+
+def bench_grid_cmd(
+    model: list[str] = typer.Option(
+        ["mnist1d/cnn", "digits/mlp:512x512"], "--model",
+        help="DATASET/MODEL (digits to 95%, mnist1d to 85%) or mnist1d-cnn | digits-mlp | "
+        "mlp512 | mlp1024 (about 1 M parameters); repeat the flag.",
+    ),
+    bandwidth: list[float] = typer.Option([1.0, 10.0], "--bandwidth", help="Mbit/s per agent."),
+    delay_ms: list[float] = typer.Option([0.0, 20.0], "--delay-ms", help="Added one-way delay."),
+    agents: list[int] = typer.Option([4], "--agents", help="N agents; repeat the flag."),
+    method: list[str] = typer.Option(
+        ["ring", "fanout", "hub", "auto", "dense", "flower", "ddp", "powersgd2", "powersgd4"],
+        "--method", help="ring | fanout | hub | auto (group-top-k 1% + EF) | dense | flower | "
+        "ddp | powersgd2 | powersgd4; repeat the flag.",
+    ),
+    cap_s: float = typer.Option(60.0, "--cap-s", help="Training seconds per run at most."),
+    budget_s: float | None = typer.Option(
+        None, "--budget-s", help="Start no cell after this many seconds; list the rest."
+    ),
+    seed: int = typer.Option(0, "--seed"),
+    out: Path = typer.Option(Path("runs/lab-grid"), "--out", help="grid.json, grid.md, grid.png."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Per run, seconds, start-up included."),
+) -> None:
+    """Time to target for every method in every cell (N x bandwidth x delay x model), one
+    run: fedring's collectives (and `auto`) beside the dense ring, Flower, DDP and PowerSGD."""
+    import time
+
+    from fedring.bench import lab_grid
+    from fedring.lab import netns
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        models = tuple(lab_grid.parse_model(m) for m in model)
+        methods = lab_grid.check_methods(method)
+        if cap_s <= 0 or any(b <= 0 for b in bandwidth) or any(d < 0 for d in delay_ms):
+            raise lab_grid.GridError("--cap-s and --bandwidth must be > 0, --delay-ms >= 0")
+    except lab_grid.GridError as exc:
+        err.print(f"[red]error: {escape(str(exc))}[/red]")
+        raise typer.Exit(2) from None
+    why = netns.can_build()
+    if why:
+        err.print(f"[red]error: {escape(why)}[/red]")
+        raise typer.Exit(2)
+    start, total = time.monotonic(), len(models) * len(bandwidth) * len(delay_ms) * len(agents)
+    done: list[lab_grid.Run] = []
+
+    def tell(run: lab_grid.Run) -> None:
+        done.append(run)
+        secs = (f"{run.seconds_to_target:.1f} s" if run.seconds_to_target is not None
+                else "error" if run.error and not run.curve
+                else f"> {run.cap_s:g} s (best {run.best_accuracy:.3f})")  # fmt: skip
+        cell = len({(r.agents, r.bandwidth_mbps, r.delay_ms, r.model) for r in done})
+        err.print(
+            f"[{time.monotonic() - start:6.0f} s] cell {cell}/{total} N={run.agents} "
+            f"{run.bandwidth_mbps:g} Mbit/s +{run.delay_ms:g} ms {escape(run.model)} | "
+            f"{run.method}: {secs}{' ' + escape(run.collective) if run.method == 'auto' else ''}"
+            f"{'' if run.delay_applied else ' (no added delay)'}"
+            f"{' ERROR ' + escape(run.error[:200]) if run.error else ''}"
+        )
+
+    doc = lab_grid.run(models, tuple(bandwidth), tuple(delay_ms), tuple(agents), methods,
+                       cap_s=cap_s, budget_s=budget_s, seed=seed, out=out, timeout_s=timeout,
+                       on_run=tell)  # fmt: skip
+    print((out / "grid.md").read_text())
+    print(f"json: {out / 'grid.json'}  plot: {doc.get('plot')}  "
+          f"({doc['bench_seconds']:.0f} s in all)")  # fmt: skip

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from fedring.bench.launch import BaselineError, Host, Launch, agent_nodes, stop_all
+from fedring.bench.powersgd import register_powersgd
 from fedring.bench.sessions import free_port
 from fedring.build import lr_schedule
 from fedring.config import JobSpec
@@ -70,6 +71,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--iface", default=None, help="count bytes on it; gloo uses it")
     p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds")
+    p.add_argument(
+        "--cap-s",
+        type=float,
+        default=0.0,
+        help="stop after this many seconds of training (checked at evaluations; 0 = no cap)",
+    )
+    p.add_argument(
+        "--powersgd-rank",
+        type=int,
+        default=0,
+        help="torch's PowerSGD hook of this matrix rank (0 = plain DDP)",
+    )
+    p.add_argument("--powersgd-start", type=int, default=10, help="dense steps before PowerSGD")
     return p
 
 
@@ -143,7 +157,13 @@ class _Shard:
 def _train(args: argparse.Namespace, spec: JobSpec, trainer: _Shard, ds: Dataset) -> Outcome:
     """DDP steps with fedring's lr schedule until the target (all ranks agree) or `rounds`."""
     sched = lr_schedule(spec)
-    ddp = DistributedDataParallel(trainer.model)
+    # PowerSGD waits on gloo inside gloo's callbacks: with two buckets (DDP's default
+    # first bucket is 1 MiB) both of gloo's worker threads block and the first
+    # compressed step hangs (mlp:512x512, 4 ranks). An explicit cap makes one bucket.
+    ddp = DistributedDataParallel(trainer.model, bucket_cap_mb=25 if args.powersgd_rank else None)
+    if args.powersgd_rank:
+        register_powersgd(ddp, args.world, rank=args.powersgd_rank,
+                          start_iter=args.powersgd_start, seed=args.seed)  # fmt: skip
     opt = torch.optim.SGD(ddp.parameters(), lr=sched.lr_at(0), momentum=spec.momentum)
     metrics = args.out / "metrics.jsonl"
     if args.rank == 0:
@@ -169,6 +189,8 @@ def _train(args: argparse.Namespace, spec: JobSpec, trainer: _Shard, ds: Dataset
             if outcome.accuracy >= args.target:
                 outcome.seconds_to_target = t
                 stop.fill_(1.0)
+            elif args.cap_s and t >= args.cap_s:
+                stop.fill_(1.0)
         dist.broadcast(stop, src=0)  # collective: every rank stops at the same step
         if stop.item():
             break
@@ -178,7 +200,8 @@ def _train(args: argparse.Namespace, spec: JobSpec, trainer: _Shard, ds: Dataset
 
 def _write_summary(args: argparse.Namespace, spec: JobSpec, o: Outcome, params: int) -> None:
     sched = lr_schedule(spec)
-    summary = {"baseline": "ddp-gloo", "world": args.world, "dataset": spec.dataset,
+    summary = {"baseline": "ddp-gloo", "powersgd_rank": args.powersgd_rank, "world": args.world,
+               "dataset": spec.dataset,
                "model": spec.model, "final_accuracy": o.accuracy, "rounds": o.steps,
                "target": args.target, "seconds_to_target": o.seconds_to_target,
                "wall_seconds": o.wall_seconds, "params": params, "batch_size": spec.batch_size,
@@ -205,6 +228,8 @@ def run_ddp(
     connect_timeout_s: float = 60.0,
     timeout_s: float = 600.0,
     env: Mapping[str, str] | None = None,
+    cap_s: float = 0.0,
+    powersgd_rank: int = 0,
 ) -> dict[str, Any]:
     """Run the DDP baseline on nodes a0..a{n-1}, rank 0 (the master) on a0.
 
@@ -226,6 +251,10 @@ def run_ddp(
         Deadline of the whole run.
     env : Mapping, optional
         Environment of the workers (default: this process's; PYTHONPATH must reach fedring).
+    cap_s : float
+        Stop at the first evaluation after this many seconds of training (0: no cap).
+    powersgd_rank : int
+        Register torch's PowerSGD hook of this rank (`fedring.bench.powersgd`); 0: plain DDP.
 
     Returns
     -------
@@ -243,7 +272,8 @@ def run_ddp(
     common = ["--world", str(n), "--master", master, "--dataset", dataset, "--model", model,
               "--rounds", str(rounds), "--eval-every", str(eval_every), "--target", str(target),
               "--seed", str(seed), "--out", str(out),
-              "--connect-timeout", str(connect_timeout_s)]  # fmt: skip
+              "--connect-timeout", str(connect_timeout_s), "--cap-s", str(cap_s),
+              "--powersgd-rank", str(powersgd_rank)]  # fmt: skip
     if iface:
         common += ["--iface", iface]
     environ = dict(os.environ if env is None else env)

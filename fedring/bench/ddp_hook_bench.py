@@ -21,7 +21,6 @@ the whole bucket during its dense warm-up; group-top-k counts the bytes it packe
 # No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
 # annotations with the real dist.GradBucket and Future[Tensor] types.
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -34,9 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel
 
+from fedring.bench.powersgd import CountedPowerSGD, register_powersgd
 from fedring.bench.sessions import free_port
 from fedring.engine.ddp_hook import GroupTopKState, group_topk_hook, ring_allreduce_bytes
 from fedring.engine.sampler import ShardSampler
@@ -93,33 +92,6 @@ class _AnalyticAllReduce:
         return 0.0
 
 
-class _CountedPowerSGD:
-    """PowerSGD's state plus the bytes its all-reduces sent."""
-
-    def __init__(self, inner: psgd.PowerSGDState, world: int) -> None:
-        self.inner, self.world, self.sent_bytes = inner, world, 0
-
-    def step(self) -> None:
-        pass
-
-    def residual_norm(self) -> float:
-        return math.sqrt(sum(float(e.square().sum()) for e in self.inner.error_dict.values()))
-
-
-def _counted_powersgd_hook(
-    meter: _CountedPowerSGD, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    state = meter.inner
-    dense = state.iter < state.start_powerSGD_iter
-    before = state.total_numel_after_compression
-    numel = bucket.buffer().numel()
-    fut = psgd.powerSGD_hook(state, bucket)  # counts its compressed numel synchronously
-    if not dense:
-        numel = state.total_numel_after_compression - before
-    meter.sent_bytes += ring_allreduce_bytes(numel * 4, meter.world)
-    return fut
-
-
 class _TopKMeter:
     def __init__(self, state: GroupTopKState) -> None:
         self.state = state
@@ -139,13 +111,9 @@ def _plain(ddp: DistributedDataParallel, cfg: RunConfig) -> _AnalyticAllReduce:
     return _AnalyticAllReduce(sum(p.numel() for p in ddp.parameters()) * 4, cfg.world)
 
 
-def _powersgd(ddp: DistributedDataParallel, cfg: RunConfig) -> _CountedPowerSGD:
-    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
-                               start_powerSGD_iter=cfg.start_compress_iter,
-                               random_seed=cfg.seed)  # fmt: skip
-    meter = _CountedPowerSGD(state, cfg.world)
-    ddp.register_comm_hook(meter, _counted_powersgd_hook)
-    return meter
+def _powersgd(ddp: DistributedDataParallel, cfg: RunConfig) -> CountedPowerSGD:
+    return register_powersgd(ddp, cfg.world, rank=cfg.powersgd_rank,
+                             start_iter=cfg.start_compress_iter, seed=cfg.seed)  # fmt: skip
 
 
 def _group_topk(ddp: DistributedDataParallel, cfg: RunConfig) -> _TopKMeter:
@@ -198,7 +166,7 @@ def _train(rank: int, cfg: RunConfig, data: _Shard) -> dict[str, Any]:
     dist.barrier()
     wall = time.perf_counter() - start
     _, accuracy = evaluate_batches(model, data.x_test, data.y_test, F.cross_entropy,
-                                   lambda out, y: float((out.argmax(1) == y).sum()))
+                                   lambda out, y: float((out.argmax(1) == y).sum()))  # fmt: skip
     return {"rank": rank, "accuracy": accuracy, "sent_bytes": meter.sent_bytes,
             "residual_norm": meter.residual_norm(), "wall_s": wall,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}  # fmt: skip

@@ -34,7 +34,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from fedring.flower.simulation import QUIET_ENV
 
 BIN = Path(sys.executable).parent
 CONNECTION = "fedring-bench"
+Reach = Callable[[str, str], str]  # reach(node, "HOST:PORT") -> the address node dials
 APP_COMPONENTS = "fedring.bench.flower_fedavg_app"
 
 # Node-side helpers, run with `python -c SRC ARGS` through the launcher.
@@ -102,6 +103,8 @@ def run_flower_fedavg(
     port: int | None = None,
     timeout_s: float = 900.0,
     env: Mapping[str, str] | None = None,
+    cap_s: float = 0.0,
+    reach: Reach | None = None,
 ) -> dict[str, Any]:
     """Run FedAvg with `n` SuperNodes; return the summary, rows and bytes per client.
 
@@ -123,6 +126,11 @@ def run_flower_fedavg(
         Deadline of the whole run.
     env : Mapping, optional
         Base environment (default: this process's; PYTHONPATH must reach fedring).
+    cap_s : float
+        Stop after the first round that ends past this many seconds (0: no cap).
+    reach : Reach, optional
+        ``reach(node, "HUB:P")``: the address SuperNode `node` dials for the SuperLink
+        (the lab's delaying proxy on the node's loopback); default the SuperLink itself.
 
     Raises
     ------
@@ -144,11 +152,11 @@ def run_flower_fedavg(
                "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}  # fmt: skip
     cfg = {"clients": n, "dataset": dataset, "model": model, "seed": seed, "rounds": rounds,
            "target": float(target), "lr": float(lr), "local-epochs": local_epochs,
-           "out": str(out)}  # fmt: skip
+           "cap-s": float(cap_s), "out": str(out)}  # fmt: skip
     deadline = time.monotonic() + timeout_s
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        _start_nodes(procs, launch, n, hub, port, out, environ)
+        _start_nodes(procs, launch, n, hub, port, out, environ, reach)
         py = [sys.executable, "-c"]
         run_on(launch, "hub", [*py, PROBE_SRC, hub, str(port), "60"], out / "probe.log",
                environ, 90)  # fmt: skip
@@ -179,15 +187,17 @@ def _start_nodes(
     port: int,
     out: Path,
     env: Mapping[str, str],
+    reach: Reach | None = None,
 ) -> None:
     """The SuperLink on "hub", then SuperNode i on a{i}; each Popen goes into `procs`."""
     procs.append(launch("hub", [str(BIN / "flower-superlink"), "--insecure", "--host", "0.0.0.0",
                                 "--port", str(port), "--disable-runtime-dependency-installation"],
                         out / "superlink.log", env))  # fmt: skip
     for i, node in enumerate(agent_nodes(n)):
+        superlink = reach(node, f"{hub}:{port}") if reach else f"{hub}:{port}"
         # Each SuperNode's own Runtime API (for its ClientApps) stays on its node's loopback.
         procs.append(launch(node, [
-            str(BIN / "flower-supernode"), "--insecure", "--superlink", f"{hub}:{port}",
+            str(BIN / "flower-supernode"), "--insecure", "--superlink", superlink,
             "--host", "127.0.0.1", "--port", str(free_port()),
             "--node-config", f"partition-id={i} num-partitions={n}",
         ], out / f"supernode-{i}.log", env))  # fmt: skip

@@ -13,7 +13,8 @@ Run config (``flwr run --run-config``; `fedring.bench.flower_fedavg` sets it):
 - ``dataset``, ``model``, ``seed``: as in `JobSpec`; the shard of a client is
   ``make_shards(y_train, num-partitions, "iid", seed)[partition-id]`` with both
   ids from the SuperNode's ``--node-config``.
-- ``rounds``: most rounds; ``target``: stop once the global model reaches it.
+- ``rounds``: most rounds; ``target``: stop once the global model reaches it;
+  ``cap-s``: or at the first evaluation after this many seconds (0: no cap).
   Flower 1.41's `Strategy.start` has no early exit, so `TargetFedAvg` sends no
   more messages once the target is reached: the remaining rounds are empty
   loop turns that cost nothing.
@@ -54,7 +55,7 @@ from fedring.training.sharding import make_shards, shard_data
 DEFAULTS: dict[str, Any] = {"clients": 2, "dataset": "digits", "model": "mlp", "seed": 0,
                             "rounds": 50, "target": 0.95, "lr": 0.1, "momentum": 0.9,
                             "batch-size": 32, "local-epochs": 1, "round-timeout-s": 300.0,
-                            "out": ""}  # fmt: skip
+                            "cap-s": 0.0, "out": ""}  # fmt: skip
 
 
 def config(context: Context) -> dict[str, Any]:
@@ -147,8 +148,9 @@ class Evaluator:
         self.rows.append(row)
         with (self.out / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
-        if server_round > 0 and acc >= self.cfg["target"]:
-            self.strategy.reached = True
+        capped = self.cfg["cap-s"] > 0 and t >= self.cfg["cap-s"]
+        if server_round > 0 and (acc >= self.cfg["target"] or capped):
+            self.strategy.reached = True  # no more rounds
         if self.start is None:
             self.start = time.perf_counter()  # round 1 starts right after this evaluation
         return MetricRecord({"accuracy": acc, "loss": loss})

@@ -43,10 +43,12 @@ class LabRunError(RuntimeError):
     """A job in the lab failed or ran past its time (the logs are named)."""
 
 
-def write_job(spec: JobSpec, path: Path) -> Path:
-    """The job as a TOML file for `fedring coordinator run` (every field, explicitly)."""
+def write_job(spec: JobSpec, path: Path, fields: Mapping[str, Any] | None = None) -> Path:
+    """The job as a TOML file for `fedring coordinator run` (every field, explicitly);
+    `fields` are written over the spec's, unchecked here: the coordinator checks them
+    (a value that only the code the coordinator runs knows)."""
     lines = ["[job]"]
-    for key, value in spec.resolved().items():
+    for key, value in {**spec.resolved(), **(fields or {})}.items():
         lines.append(f"{key} = {json.dumps(value)}")
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -75,6 +77,7 @@ class Lab:
         self.profile, self.threads = profile, threads
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.agents: list[subprocess.Popen[bytes]] = []
+        self.proxies: list[subprocess.Popen[bytes]] = []
         self.broker: Mosquitto | None = None
         self._old_handlers: dict[int, Any] = {}
 
@@ -169,30 +172,64 @@ class Lab:
     def broker_url(self) -> str:
         return f"mqtt://{netns.HUB_ADDR}:{BROKER_PORT}"
 
+    def reshape(self, up_mbps: float, down_mbps: float | None = None) -> None:
+        """Give every agent link a new rate (`tc qdisc replace`), without rebuilding."""
+        netns.reshape(self.net, up_mbps, down_mbps)
+        self.up, self.down = up_mbps, down_mbps or up_mbps
+
+    def set_delay(self, delay_ms: float) -> None:
+        """The delay for the agents and proxies started from now on (stop them first)."""
+        if not 0.0 <= delay_ms <= 10_000:
+            raise ValueError(f"delay_ms={delay_ms} must be in [0, 10000]")
+        if self.agents or self.proxies:
+            raise LabRunError("set_delay: stop the agents and proxies first")
+        self.delay_ms = delay_ms
+
+    def reach(self, node: str, target: str) -> str:
+        """The HOST:PORT that `node` dials to reach `target` (HOST:PORT) across its link:
+        `target` itself, or with `delay_ms` a delaying proxy on the node's loopback."""
+        if not self.delay_ms:
+            return target
+        from fedring.bench.sessions import free_port
+
+        listen = f"127.0.0.1:{free_port()}"
+        self._proxy(node, listen, target)
+        return listen
+
+    def stop_proxies(self) -> None:
+        for proc in self.proxies:
+            stop(proc)
+        self.proxies.clear()
+
     def start_agents(self) -> None:
         """One `fedring agent` daemon per agent namespace, connected to the hub's broker
         (through a delaying proxy on the agent's own loopback with `delay_ms`)."""
         for i, node in enumerate(self.net.nodes()):
-            url = self._proxy(node) if self.delay_ms else self.broker_url
+            url = self.broker_url
+            if self.delay_ms:
+                local = f"127.0.0.1:{BROKER_PORT}"
+                self._proxy(node, local, f"{netns.HUB_ADDR}:{BROKER_PORT}")
+                url = f"mqtt://{local}"
             argv = [sys.executable, "-m", "fedring", "agent", "--broker", url,
                     "--id", f"lab-{i}", "--threads", str(self.threads)]  # fmt: skip
             if self.profile:
                 argv += ["--profile", self.profile]
             self.agents.append(self.launch(node, argv, self.workdir / f"agent-{i}.log"))
 
-    def _proxy(self, node: str, timeout_s: float = 20.0) -> str:
-        """Start `fedring.lab.delay` on `node`: +delay_ms each way to the broker."""
-        log_path = self.workdir / f"delay-{node}.log"
-        target = f"{netns.HUB_ADDR}:{BROKER_PORT}"
-        argv = [sys.executable, "-m", "fedring.lab.delay", "--listen", f"127.0.0.1:{BROKER_PORT}",
+    def _proxy(self, node: str, listen: str, target: str, timeout_s: float = 20.0) -> None:
+        """Start `fedring.lab.delay` on `node`: `listen` forwards to `target`, +delay_ms
+        each way; return once it listens."""
+        log_path = self.workdir / f"delay-{node}-{listen.rpartition(':')[2]}.log"
+        log_path.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "fedring.lab.delay", "--listen", listen,
                 "--target", target, "--delay-ms", f"{self.delay_ms:g}"]  # fmt: skip
         proc = self.launch(node, argv, log_path)
+        self.proxies.append(proc)
         deadline = time.monotonic() + timeout_s
         while "listening on" not in log_path.read_text(errors="replace"):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise LabRunError(f"delay proxy on {node} did not start; see {log_path}")
             time.sleep(0.1)
-        return f"mqtt://127.0.0.1:{BROKER_PORT}"
 
     def dropped(self) -> dict[str, int]:
         """Packets the loss rules dropped on each agent's link so far."""
@@ -201,32 +238,49 @@ class Lab:
         return {n: sum(impair.dropped(self.net.ns(n)).values()) for n in self.net.nodes()}
 
     def stop_agents(self) -> None:
+        """Stop the agent daemons and the delay proxies."""
         for proc in self.agents:
             stop(proc)
         self.agents.clear()
+        self.stop_proxies()
 
     def link_bytes(self) -> dict[str, tuple[int, int]]:
         return {node: netns.link_bytes(self.net, node) for node in self.net.nodes()}
 
     def run_job(self, spec: JobSpec, *, name: str = "job", timeout_s: float = 600.0,
-                onnx: bool = False) -> dict[str, Any]:  # fmt: skip
+                onnx: bool = False, cap_s: float | None = None,
+                fields: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
         """Run one job with the coordinator on the hub; its summary, per-round rows and
-        the bytes each agent's interface sent and received during it."""
+        the bytes each agent's interface sent and received during it.
+
+        With `cap_s`, the coordinator is stopped once a row's ``wall_s`` (training
+        seconds) passes it: the result then has ``capped`` true, the rows so far and a
+        summary made from them. The agents may still be in the job: restart them."""
         out = self.workdir / name
         out.mkdir(parents=True, exist_ok=True)
-        job = write_job(spec, out / "job.toml")
+        job = write_job(spec, out / "job.toml", fields)
         argv = [sys.executable, "-m", "fedring", "coordinator", "run", str(job),
                 "--broker", self.broker_url, "--out", str(out), "--enrol-timeout", "120",
                 "--onnx" if onnx else "--no-onnx", "--json"]  # fmt: skip
         before = self.link_bytes()
         start = time.monotonic()
         proc = self.launch("hub", argv, out / "coordinator.log")
-        try:
-            rc = proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        capped = _wait_capped(proc, out / "metrics.jsonl", timeout_s, cap_s)
+        if capped is None:
             stop(proc)
             raise LabRunError(f"{name}: no result within {timeout_s:g} s; see {out}") from None
         after = self.link_bytes()
+        if capped:
+            stop(proc)
+            rows = list(_jsonl(out / "metrics.jsonl"))
+            accs = [r["accuracy"] for r in rows if "accuracy" in r]
+            summary = {"final_accuracy": accs[-1] if accs else 0.0, "identical_models": True,
+                       "rounds": rows[-1].get("round", 0) if rows else 0}  # fmt: skip
+            return {"summary": summary, "rows": rows, "capped": True,
+                    "wall_seconds": time.monotonic() - start, "out": str(out),
+                    "link_bytes": {n: [after[n][0] - before[n][0], after[n][1] - before[n][1]]
+                                   for n in after}}  # fmt: skip
+        rc = proc.returncode
         summary_path = out / "summary.json"
         if rc != 0 or not summary_path.exists():
             tail = (out / "coordinator.log").read_text(errors="replace")[-1500:]
@@ -241,7 +295,31 @@ class Lab:
                 n: [after[n][0] - before[n][0], after[n][1] - before[n][1]] for n in after
             },
             "out": str(out),
+            "capped": False,
         }
+
+
+def _wait_capped(
+    proc: subprocess.Popen[bytes], metrics: Path, timeout_s: float, cap_s: float | None
+) -> bool | None:
+    """Wait for the coordinator: False when it exited, True when a row passed `cap_s`
+    training seconds first, None when `timeout_s` passed first."""
+    deadline, seen = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        if cap_s is not None and metrics.exists():
+            with metrics.open("rb") as f:
+                f.seek(seen)
+                data = f.read()
+            done = data.rfind(b"\n") + 1  # whole lines only: one may be half-written
+            seen += done
+            for line in data[:done].splitlines():
+                with contextlib.suppress(ValueError):
+                    if float(json.loads(line).get("wall_s", 0.0)) >= cap_s:
+                        return True
+        time.sleep(0.2)
+    return None
 
 
 def _jsonl(path: Path) -> Iterator[dict[str, Any]]:

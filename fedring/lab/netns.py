@@ -130,6 +130,17 @@ def build(net: Net, up_mbps: float, down_mbps: float | None = None) -> None:
     log.info("lab %s: %d agents at %g/%g Mbit/s", net.prefix, net.agents, up_mbps, down)
 
 
+def reshape(net: Net, up_mbps: float, down_mbps: float | None = None) -> None:
+    """New rates on every agent link (`tc qdisc replace`: the namespaces stay)."""
+    down = up_mbps if down_mbps is None else down_mbps
+    for rate, name in ((up_mbps, "bandwidth"), (down, "downlink")):
+        if not 0.01 <= rate <= 100_000:
+            raise ValueError(f"{name}={rate} Mbit/s must be in [0.01, 100000]")
+    for i, node in enumerate(net.nodes()):
+        sh("tc", "-n", net.ns(node), "qdisc", "replace", "dev", AGENT_IFACE, "root", *tbf(up_mbps))
+        sh("tc", "-n", net.hub, "qdisc", "replace", "dev", f"v{i}", "root", *tbf(down))
+
+
 def existing(prefix: str = PREFIX) -> list[str]:
     """Namespaces whose name starts with `prefix`."""
     names = [line.split()[0] for line in sh("ip", "netns", "list").splitlines() if line.strip()]

@@ -1,0 +1,347 @@
+"""`fedring bench grid`: time to target over models x links x N x methods, one invocation.
+
+Every cell is (N agents, per-agent bandwidth, added one-way delay, model); every
+method runs in it on the same task, shards and initial model, in one `Lab` per N
+whose links are re-shaped (`tc qdisc replace`) and whose delay is re-set between
+cells rather than rebuilt:
+
+- fedring, group-top-k 1 % + error feedback, sync, ``collective`` = ring | fanout |
+  hub | auto (``ring``, ``fanout``, ``hub``, ``auto``), and the dense ring (``dense``);
+- Flower FedAvg through a SuperLink on the hub (``flower``);
+- torch DDP over gloo (``ddp``), and with torch's PowerSGD hook of rank 2 and 4
+  (``powersgd2``, ``powersgd4``).
+
+The delay reaches everyone: fedring's agents and Flower's SuperNodes dial the hub
+through `fedring.lab.delay` proxies on their own loopback; DDP's ranks talk to each
+other directly, so with a delay they run behind `fedring.lab.delayline`, a
+user-space packet delay line on every agent link (each packet held ``delay_ms`` in
+each direction). A row's ``delay_applied`` says whether its traffic was delayed.
+
+Each run is capped at ``cap_s`` seconds of training: a run that has not reached the
+target by then is stopped at its next evaluation and recorded as "> cap" with its
+best accuracy. Time to target counts training only, as in `fedring.bench.edge_lab`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from fedring.config import JobSpec
+from fedring.lab.lab import Lab, LabRunError
+from fedring.lab.netns import AGENT_IFACE, LabError
+
+TARGETS = {"digits": 0.95, "mnist1d": 0.85}  # the edge-lab bench's targets
+EVAL_EVERY = {"digits": 5, "mnist1d": 10}
+ROUNDS = 100_000  # a budget the cap always cuts first
+ALIASES = {
+    "mnist1d-cnn": "mnist1d/cnn",  # the MNIST-1D paper's CNN, 5,210 parameters
+    "digits-mlp": "digits/mlp",  # fedring's default digits MLP, 17,226
+    "mlp512": "digits/mlp:512x512",  # 301,066
+    "mlp1024": "digits/mlp:1024x1024",  # 1,126,410: the "about 1 M" model
+}
+GROUP_TOPK: dict[str, Any] = {"compression": "group-topk", "density": 0.01}
+FEDRING: dict[str, dict[str, Any]] = {
+    "ring": {**GROUP_TOPK, "collective": "ring"},
+    "fanout": {**GROUP_TOPK, "collective": "fanout"},
+    "hub": {**GROUP_TOPK, "collective": "hub"},
+    "auto": {**GROUP_TOPK, "collective": "auto"},
+    "dense": {"compression": "none"},
+}
+PEERS = ("dense", "flower", "ddp", "powersgd2", "powersgd4")
+COMPRESSED = ("ring", "fanout", "hub", "auto")
+METHODS = (*COMPRESSED, *PEERS)
+LABELS = {"ring": "ring", "fanout": "fanout", "hub": "hub", "auto": "auto",
+          "dense": "dense ring", "flower": "Flower FedAvg", "ddp": "DDP gloo",
+          "powersgd2": "DDP+PowerSGD r2", "powersgd4": "DDP+PowerSGD r4"}  # fmt: skip
+
+
+class GridError(ValueError):
+    """A grid option names something the grid cannot run (the message names it)."""
+
+
+@dataclass(frozen=True)
+class Model:
+    dataset: str
+    model: str
+    target: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.dataset}/{self.model}"
+
+    @property
+    def slug(self) -> str:
+        return self.key.replace("/", "-").replace(":", "-")
+
+
+def parse_model(text: str) -> Model:
+    """``DATASET/MODEL`` (digits or mnist1d; a model `JobSpec` accepts) or an alias."""
+    key = ALIASES.get(text, text)
+    dataset, sep, model = key.partition("/")
+    if not sep or dataset not in TARGETS or not model:
+        raise GridError(f"--model {text!r}: expected DATASET/MODEL with DATASET in "
+                        f"{', '.join(TARGETS)}, or one of {', '.join(ALIASES)}")  # fmt: skip
+    try:
+        JobSpec(dataset=dataset, model=model)
+    except (ValueError, TypeError) as exc:
+        raise GridError(f"--model {text!r}: {exc}") from None
+    return Model(dataset, model, TARGETS[dataset])
+
+
+def check_methods(methods: Iterable[str]) -> tuple[str, ...]:
+    chosen = tuple(methods)
+    unknown = [m for m in chosen if m not in METHODS]
+    if unknown or not chosen:
+        raise GridError(f"--method {unknown or '(none)'}: expected some of {', '.join(METHODS)}")
+    return chosen
+
+
+@cache
+def params(model: Model) -> int:
+    from fedring.training.datasets import load_dataset
+    from fedring.training.models import build_model, param_count
+
+    ds = load_dataset(model.dataset, 0)
+    return param_count(build_model(model.model, ds.feature_shape, ds.num_classes, 0))
+
+
+@dataclass(frozen=True)
+class Cell:
+    agents: int
+    bandwidth_mbps: float
+    delay_ms: float
+    model: Model
+
+    @property
+    def slug(self) -> str:
+        return f"n{self.agents}-{self.bandwidth_mbps:g}mbit-{self.delay_ms:g}ms-{self.model.slug}"
+
+
+@dataclass
+class Run:
+    """One method in one cell."""
+
+    agents: int
+    bandwidth_mbps: float
+    delay_ms: float
+    model: str
+    params: int
+    method: str
+    target: float
+    cap_s: float
+    seconds_to_target: float | None = None
+    best_accuracy: float = 0.0
+    final_accuracy: float = 0.0
+    rounds: int = 0
+    bytes_sent_per_agent: float = 0.0
+    bytes_received_per_agent: float = 0.0
+    wall_seconds: float = 0.0
+    delay_applied: bool = True
+    collective: str = ""  # auto: the algorithm the coordinator chose
+    error: str = ""
+    curve: list[tuple[float, float]] = field(default_factory=list)  # (seconds, accuracy)
+
+
+def _run(cell: Cell, method: str, cap_s: float) -> Run:
+    return Run(cell.agents, cell.bandwidth_mbps, cell.delay_ms, cell.model.key,
+               params(cell.model), method, cell.model.target, cap_s)  # fmt: skip
+
+
+def _score(run: Run, points: list[tuple[float, float]]) -> Run:
+    run.curve = points
+    accs = [a for _, a in points]
+    run.best_accuracy = max(accs, default=0.0)
+    run.final_accuracy = accs[-1] if accs else 0.0
+    run.seconds_to_target = next((t for t, a in points if a >= run.target), None)
+    return run
+
+
+def fedring_run(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int, out: Path,
+                timeout_s: float) -> tuple[Run, bool]:  # fmt: skip
+    """A fedring job; the row and whether it was capped (the agents need a restart)."""
+    run = _run(cell, method, cap_s)
+    fields = dict(FEDRING[method])
+    known = {k: v for k, v in fields.items() if k != "collective"}
+    spec = JobSpec(agents=cell.agents, dataset=cell.model.dataset, model=cell.model.model,
+                   rounds=ROUNDS, eval_every=EVAL_EVERY[cell.model.dataset],
+                   target_accuracy=cell.model.target, seed=seed, checkpoint_every=ROUNDS,
+                   timeout_s=60.0, **known)  # fmt: skip
+    try:
+        spec = spec.replace(**fields)
+        fields = {}
+    except ValueError:  # a collective newer than this process's code: the coordinator checks it
+        fields = {"collective": fields["collective"]}
+    start = time.monotonic()
+    result = lab.run_job(spec, name=f"{cell.slug}/{method}", timeout_s=timeout_s, cap_s=cap_s,
+                         fields=fields)  # fmt: skip
+    run.wall_seconds = time.monotonic() - start
+    rows = result["rows"]
+    _score(run, [(float(r["wall_s"]), float(r["accuracy"])) for r in rows
+                 if "accuracy" in r and "wall_s" in r])  # fmt: skip
+    run.rounds = int(result["summary"].get("rounds", 0))
+    sent = [b[0] for b in result["link_bytes"].values()]
+    received = [b[1] for b in result["link_bytes"].values()]
+    run.bytes_sent_per_agent = sum(sent) / len(sent)
+    run.bytes_received_per_agent = sum(received) / len(received)
+    run.collective = chosen_collective(result) if method == "auto" else FEDRING[method].get(
+        "collective", "ring")  # fmt: skip
+    if not result["summary"].get("identical_models", True):
+        run.error = "models differ"
+    return run, bool(result.get("capped"))
+
+
+def chosen_collective(result: dict[str, Any]) -> str:
+    """The algorithms `collective = "auto"` ran, in order ("fanout", "ring→fanout"),
+    from the rows' ``collective`` field; "?" where no row says."""
+    seen: list[str] = []
+    for row in result["rows"]:
+        value = row.get("collective")
+        if isinstance(value, str) and value != "auto" and (not seen or seen[-1] != value):
+            seen.append(value)
+    return "→".join(seen) or "?"
+
+
+def peer_run(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int, out: Path,
+             timeout_s: float) -> Run:  # fmt: skip
+    """Flower FedAvg, DDP or DDP + PowerSGD on the lab's nodes, with the cell's delay."""
+    from fedring.bench.ddp import run_ddp
+    from fedring.bench.flower_fedavg import run_flower_fedavg
+    from fedring.lab.delayline import packet_delay
+
+    run = _run(cell, method, cap_s)
+    where = out / cell.slug / method
+    before, start = lab.link_bytes(), time.monotonic()
+    task: dict[str, Any] = {"dataset": cell.model.dataset, "model": cell.model.model,
+            "target": cell.model.target, "seed": seed, "out": where, "timeout_s": timeout_s,
+            "cap_s": cap_s}  # fmt: skip
+    if method == "flower":
+        try:
+            # about a round a second at most: FedAvg's rounds after the cap are empty loop turns
+            summary = run_flower_fedavg(cell.agents, lab.launch, lab.host, rounds=int(cap_s) + 5,
+                                        reach=lab.reach, **task)  # fmt: skip
+        finally:
+            lab.stop_proxies()
+    else:
+        rank = {"ddp": 0, "powersgd2": 2, "powersgd4": 4}[method]
+        with packet_delay(lab, where) as applied:
+            run.delay_applied = applied
+            summary = run_ddp(cell.agents, lab.launch, lab.host, rounds=ROUNDS,
+                              eval_every=EVAL_EVERY[cell.model.dataset], iface=AGENT_IFACE,
+                              powersgd_rank=rank, **task)  # fmt: skip
+    run.wall_seconds = time.monotonic() - start
+    after = lab.link_bytes()
+    run.bytes_sent_per_agent = sum(after[n][0] - before[n][0] for n in after) / len(after)
+    run.bytes_received_per_agent = sum(after[n][1] - before[n][1] for n in after) / len(after)
+    _score(run, [(float(m["t"]), float(m["accuracy"])) for m in summary["metrics"]
+                 if m["round"] > 0])  # fmt: skip
+    run.rounds = int(summary["rounds"])
+    return run
+
+
+def run(
+    models: tuple[Model, ...],
+    bandwidths: tuple[float, ...],
+    delays: tuple[float, ...],
+    agents: tuple[int, ...],
+    methods: tuple[str, ...],
+    *,
+    cap_s: float = 60.0,
+    budget_s: float | None = None,
+    seed: int = 0,
+    out: Path = Path("runs/lab-grid"),
+    timeout_s: float = 600.0,
+    on_run: Callable[[Run], None] | None = None,
+) -> dict[str, Any]:
+    """Every method in every cell, in the order N, bandwidth, delay, model (the last
+    varies fastest). ``grid.json``, ``grid.md`` and ``grid.png`` are rewritten after
+    every cell. With `budget_s`, no cell starts after that many seconds: the ones left
+    are listed in ``not_run``."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[Run] = []
+    start = time.monotonic()
+    doc: dict[str, Any] = {
+        "cap_s": cap_s, "budget_s": budget_s, "seed": seed, "models": [m.key for m in models],
+        "bandwidths_mbps": list(bandwidths), "delays_ms": list(delays), "agents": list(agents),
+        "methods": list(methods), "bench_seconds": 0.0, "runs": [], "not_run": [],
+    }  # fmt: skip
+    peers = [m for m in methods if m not in FEDRING]
+    mine = [m for m in methods if m in FEDRING]
+    for n in agents:
+        cells = [Cell(n, bw, d, m) for bw in bandwidths for d in delays for m in models]
+        if budget_s is not None and time.monotonic() - start >= budget_s:
+            doc["not_run"] += [asdict(c) for c in cells]
+            continue
+        with Lab(n, bandwidths[0], workdir=out / f"n{n}") as lab:
+            for cell in cells:
+                if budget_s is not None and time.monotonic() - start >= budget_s:
+                    doc["not_run"].append(asdict(cell))
+                    continue
+                lab.reshape(cell.bandwidth_mbps)
+                lab.set_delay(cell.delay_ms)
+                for method in peers:  # before the agent daemons start
+                    runs.append(_guarded(cell, method, cap_s, lambda: peer_run(
+                        lab, cell, method, cap_s, seed, lab.workdir, timeout_s)))  # noqa: B023
+                    _tell(on_run, runs[-1])
+                _fedring_cell(lab, cell, mine, cap_s, seed, timeout_s, runs, on_run)
+                doc.update(bench_seconds=time.monotonic() - start, runs=[asdict(r) for r in runs])
+                write(doc, out)
+    doc.update(bench_seconds=time.monotonic() - start, runs=[asdict(r) for r in runs])
+    return write(doc, out)
+
+
+def write(doc: dict[str, Any], out: Path) -> dict[str, Any]:
+    """``grid.json``, ``grid.md`` (the tables) and ``grid.png`` (the plot) in `out`."""
+    from fedring.bench.lab_grid_report import plot, tables
+
+    (out / "grid.json").write_text(json.dumps(doc, indent=1))
+    (out / "grid.md").write_text(tables(doc) + "\n")
+    if doc["runs"]:
+        doc["plot"] = str(plot(doc, out / "grid.png"))
+    return doc
+
+
+def _fedring_cell(lab: Lab, cell: Cell, methods: list[str], cap_s: float, seed: int,
+                  timeout_s: float, runs: list[Run],
+                  on_run: Callable[[Run], None] | None) -> None:  # fmt: skip
+    if not methods:
+        return
+    lab.start_agents()
+    try:
+        for method in methods:
+            capped: list[bool] = []
+
+            def one() -> Run:
+                found, cut = fedring_run(lab, cell, method, cap_s, seed, lab.workdir, timeout_s)  # noqa: B023
+                capped.append(cut)  # noqa: B023
+                return found
+
+            runs.append(_guarded(cell, method, cap_s, one))
+            _tell(on_run, runs[-1])
+            if any(capped) or runs[-1].error:  # agents may still be in the stopped job
+                lab.stop_agents()
+                lab.start_agents()
+    finally:
+        lab.stop_agents()
+
+
+def _guarded(cell: Cell, method: str, cap_s: float, runner: Callable[[], Run]) -> Run:
+    """The run, or a row that names the failure: one failed method never sinks the grid."""
+    from fedring.bench.launch import BaselineError
+
+    try:
+        return runner()
+    except (BaselineError, LabRunError, LabError, OSError, ValueError, KeyError) as exc:
+        failed = _run(cell, method, cap_s)
+        failed.error = f"{type(exc).__name__}: {str(exc)[-300:]}"
+        return failed
+
+
+def _tell(on_run: Callable[[Run], None] | None, run: Run) -> None:
+    if on_run is not None:
+        on_run(run)

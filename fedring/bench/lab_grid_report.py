@@ -1,0 +1,144 @@
+"""The grid's report: Markdown tables and a bar plot of time to target per cell.
+
+Reads the ``grid.json`` document of `fedring.bench.lab_grid` (its ``runs``), so a
+report can be re-made from a stored run without running anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fedring.bench.lab_grid import COMPRESSED, LABELS, PEERS
+
+CellKey = tuple[int, float, float, str]  # agents, Mbit/s, delay ms, model
+
+
+def cells(doc: dict[str, Any]) -> Iterator[tuple[CellKey, dict[str, dict[str, Any]]]]:
+    """Each cell (in run order) with its runs by method."""
+    found: dict[CellKey, dict[str, dict[str, Any]]] = {}
+    for r in doc["runs"]:
+        key = (r["agents"], r["bandwidth_mbps"], r["delay_ms"], r["model"])
+        found.setdefault(key, {})[r["method"]] = r
+    yield from found.items()
+
+
+def seconds(run: dict[str, Any]) -> str:
+    if run["error"] and run["seconds_to_target"] is None and not run["curve"]:
+        return "error"
+    mark = "" if run["delay_applied"] else "†"
+    if run["seconds_to_target"] is None:
+        return f"> {run['cap_s']:g} ({run['best_accuracy']:.3f}){mark}"
+    return f"{run['seconds_to_target']:.1f}{mark}"
+
+
+def reference(runs: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """fedring's run the speed-ups are over: auto where it ran, else the fastest fixed one."""
+    if "auto" in runs:
+        return runs["auto"]
+    fixed = [runs[m] for m in COMPRESSED if m in runs and runs[m]["seconds_to_target"]]
+    return min(fixed, key=lambda r: r["seconds_to_target"], default=None)
+
+
+def speedup(mine: dict[str, Any] | None, peer: dict[str, Any]) -> str:
+    """peer's time over fedring's: exact, a bound where a side was capped, '–' if unknown."""
+    if mine is None or (peer["error"] and not peer["curve"]):
+        return "–"
+    mark = "" if peer["delay_applied"] else "†"
+    t, p = mine["seconds_to_target"], peer["seconds_to_target"]
+    if t and p:
+        return f"{p / t:.1f}×{mark}"
+    if t and p is None:
+        return f"> {peer['cap_s'] / t:.1f}×{mark}"
+    if p and t is None:
+        return f"< {p / mine['cap_s']:.2f}×{mark}"
+    return "–"
+
+
+def auto_vs_best(runs: dict[str, dict[str, Any]]) -> str:
+    auto = runs.get("auto")
+    fixed = [runs[m]["seconds_to_target"] for m in ("ring", "fanout", "hub") if m in runs]
+    best = min((t for t in fixed if t), default=None)
+    if auto is None or not auto["seconds_to_target"] or best is None:
+        return "–"
+    return f"{auto['seconds_to_target'] / best:.2f}"
+
+
+def tables(doc: dict[str, Any]) -> str:
+    methods = [m for m in doc["methods"]]
+    head = "| N | model (params) | Mbit/s | delay ms | " + " | ".join(
+        LABELS[m] for m in methods) + " | auto chose | auto ÷ best fixed |"  # fmt: skip
+    lines = [f"Seconds of training to the target (cap {doc['cap_s']:g} s; > cap: not reached, "
+             "best accuracy in brackets; † the added delay did not apply to this method):",
+             "", head, "|" + "---|" * (len(methods) + 6)]  # fmt: skip
+    for (n, bw, delay, model), runs in cells(doc):
+        params = next(iter(runs.values()))["params"]
+        row = [str(n), f"{model} ({params:,})", f"{bw:g}", f"{delay:g}"]
+        row += [seconds(runs[m]) if m in runs else "not run" for m in methods]
+        row += [runs["auto"]["collective"] or "–" if "auto" in runs else "–", auto_vs_best(runs)]
+        lines.append("| " + " | ".join(row) + " |")
+    peers = [m for m in PEERS if m in methods]
+    lines += [] if not peers else [
+              "", "Speed-up of fedring (auto where it ran, else the fastest fixed collective) "
+              "over each peer: the peer's seconds over fedring's:", "",
+              "| N | model | Mbit/s | delay ms | fedring | "
+              + " | ".join(f"× {LABELS[m]}" for m in peers) + " |",
+              "|" + "---|" * (len(peers) + 5)]  # fmt: skip
+    for (n, bw, delay, model), runs in cells(doc) if peers else ():
+        mine = reference(runs)
+        name = "–" if mine is None else mine["method"]
+        row = [str(n), model, f"{bw:g}", f"{delay:g}", name]
+        row += [speedup(mine, runs[m]) if m in runs else "not run" for m in peers]
+        lines.append("| " + " | ".join(row) + " |")
+    if doc.get("not_run"):
+        lines += ["", "Cells not run (the grid's time budget ran out before they started):", ""]
+        lines += [f"- N={c['agents']}, {c['bandwidth_mbps']:g} Mbit/s, {c['delay_ms']:g} ms, "
+                  f"{c['model']['dataset']}/{c['model']['model']}"
+                  for c in doc["not_run"]]  # fmt: skip
+    errors = [r for r in doc["runs"] if r["error"]]
+    if errors:
+        lines += ["", "Errors:", ""]
+        lines += [f"- {r['agents']} agents, {r['bandwidth_mbps']:g} Mbit/s, {r['delay_ms']:g} ms,"
+                  f" {r['model']}, {r['method']}: {r['error']}" for r in errors]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: Path) -> Path:
+    """Grouped bars: seconds to target per cell and method (log); capped runs hatched at the cap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = list(cells(doc))
+    methods = list(doc["methods"])
+    width = 0.8 / max(1, len(methods))
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.2 * len(found) * len(methods) / 4), 5.0))
+    colours = plt.get_cmap("tab10")
+    for j, method in enumerate(methods):
+        xs, ys, capped = [], [], []
+        for i, (_, runs) in enumerate(found):
+            run = runs.get(method)
+            if run is None or (run["error"] and not run["curve"]):
+                continue
+            xs.append(i + (j - (len(methods) - 1) / 2) * width)
+            ys.append(run["seconds_to_target"] or run["cap_s"])
+            capped.append(run["seconds_to_target"] is None)
+        bars = ax.bar(xs, ys, width, label=LABELS[method], color=colours(j % 10))
+        for bar, cut in zip(bars, capped, strict=True):
+            if cut:
+                bar.set_hatch("//")
+                bar.set_alpha(0.35)
+    ax.axhline(doc["cap_s"], color="grey", linestyle=":", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(found)))
+    ax.set_xticklabels([f"N={n} {model}\n{bw:g} Mbit/s, +{d:g} ms" for (n, bw, d, model), _
+                        in found], fontsize=7)  # fmt: skip
+    ax.set_ylabel("seconds of training to target (log; hatched: not reached by the cap)")
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
