@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +29,29 @@ METRICS = "metrics.jsonl"
 
 def export(out: Path, counters: Counters) -> dict[str, Any]:
     """Export ``out/checkpoint.pt`` to ``out/model.onnx``; the report, or its error."""
-    try:  # a lean install has no onnx: the job still ends, with the reason in the summary
+
+    def run() -> dict[str, Any]:
+        from fedring.coordinator.onnx_export import export_from_checkpoint
+
+        return export_from_checkpoint(out, out / "model.onnx")
+
+    return guarded_export(run, counters)
+
+
+def guarded_export(run: Callable[[], dict[str, Any]], counters: Counters) -> dict[str, Any]:
+    """`run` an ONNX export: its report, or why not (counted and logged). A lean install
+    has no onnx: the job still ends, with the reason in the summary."""
+    try:
         for module in ("onnx", "onnxruntime", "onnxscript"):
             require(module, "the ONNX export")
     except MissingExtra as exc:
         counters.add("onnx_export_skipped")
         log.warning("%s", exc)
         return {"error": str(exc)}
-    from fedring.coordinator.onnx_export import ExportError, export_from_checkpoint
+    from fedring.coordinator.onnx_export import ExportError
 
     try:
-        return export_from_checkpoint(out, out / "model.onnx")
+        return run()
     except (ExportError, ValueError) as exc:
         counters.add("onnx_export_failed")
         log.error("ONNX export failed: %s", exc)

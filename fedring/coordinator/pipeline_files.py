@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedring.coordinator.outputs import guarded_export
 from fedring.counters import Counters
-from fedring.extras import MissingExtra, require
 from fedring.pipeline.assignment import load_stage_state
 from fedring.pipeline.partition import StagePlan
 from fedring.pipeline.schedule import timeline
@@ -95,22 +95,14 @@ def write_models(out: Path, modules: Sequence[nn.Module], model: nn.Module) -> N
 def export(model: nn.Module, feature_shape: tuple[int, ...], out: Path,
            counters: Counters) -> dict[str, Any]:  # fmt: skip
     """``out/model.onnx`` of the reassembled model, checked with ONNX Runtime; the
-    report, or why not (a lean install has no onnx: the job still ends)."""
-    try:
-        for module in ("onnx", "onnxruntime", "onnxscript"):
-            require(module, "the ONNX export")
-    except MissingExtra as exc:
-        counters.add("onnx_export_skipped")
-        log.warning("%s", exc)
-        return {"error": str(exc)}
-    from fedring.coordinator.onnx_export import ExportError, export_onnx
+    report, or why not (`outputs.guarded_export`)."""
 
-    try:
+    def run() -> dict[str, Any]:
+        from fedring.coordinator.onnx_export import export_onnx
+
         return export_onnx(model, feature_shape, out / "model.onnx")
-    except (ExportError, ValueError) as exc:
-        counters.add("onnx_export_failed")
-        log.error("ONNX export failed: %s", exc)
-        return {"error": str(exc)}
+
+    return guarded_export(run, counters)
 
 
 def bubble(plan: StagePlan, docs: Mapping[int, Mapping[str, Any]]) -> float:
