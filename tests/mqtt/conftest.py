@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -145,6 +145,19 @@ def finish(proc: subprocess.Popen[bytes], timeout: float = 240.0) -> dict:
         raise
     assert proc.returncode == 0, f"coordinator exited {proc.returncode}"
     return json.loads(out)
+
+
+def finish_after(proc: subprocess.Popen[bytes], action: Callable[[], object],
+                 timeout: float = 240.0) -> dict:  # fmt: skip
+    """`action` (kill a member, say) while the coordinator runs, then its summary; the
+    coordinator is killed if either fails."""
+    try:
+        action()
+        return finish(proc, timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]

@@ -24,7 +24,7 @@ from fedring.firmware_profiles.schema import load_builtin
 from fedring.pipeline.materialize import materialize, meta_layers
 from fedring.training.datasets import load_dataset
 from fedring.transport.mosquitto import Mosquitto
-from tests.mqtt.conftest import Fleet, coordinator, finish, job_toml, wait_for
+from tests.mqtt.conftest import Fleet, coordinator, finish, finish_after, job_toml, wait_for
 
 BIG = "mlp:2048x2048x2048x2048"  # 12.7 M parameters
 SMALL = "mlp:256x256"
@@ -168,14 +168,12 @@ def test_a_spare_board_takes_a_killed_stage_from_the_last_checkpoint(
     wait_for(lambda: "ready on" in stages.log("a3"), 60, "the spare's hello")
     out = tmp_path / "reformed"
     proc = coordinator(broker.url, path, out, "--no-onnx")
-    try:
+
+    def kill_after_a_checkpoint() -> None:
         wait_for(lambda: (out / "stages" / "step.json").exists(), 90, "a complete checkpoint")
         stages.kill("a1")
-        summary = finish(proc, 180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
+
+    summary = finish_after(proc, kill_after_a_checkpoint, 180)
     print(f"re-formed: {summary['events']}; hash {summary['model_sha256'][:16]}, unbroken "
           f"{unbroken['model_sha256'][:16]}")  # fmt: skip
     assert summary["reformations"] == 1 and summary["members"] == ["a0", "a3", "a2"]

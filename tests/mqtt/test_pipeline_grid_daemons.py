@@ -38,7 +38,7 @@ from fedring.training.models import params_sha256
 from fedring.training.sharding import make_shards, shard_data
 from fedring.transport.inproc import InprocTransport
 from fedring.transport.mosquitto import Mosquitto
-from tests.mqtt.conftest import Fleet, coordinator, finish, job_toml, wait_for
+from tests.mqtt.conftest import Fleet, coordinator, finish, finish_after, job_toml, wait_for
 
 AGENTS = ("a0", "a1", "a2", "a3")  # stage 0: a0, a1; stage 1: a2, a3
 
@@ -159,14 +159,12 @@ def test_a_spare_takes_a_killed_replica_and_the_replicas_end_identical(
     wait_for(lambda: "ready on" in grid_fleet.log("a4"), 60, "the spare's hello")
     out = tmp_path / "reformed"
     proc = coordinator(broker.url, job(tmp_path, 100, checkpoint_every=20), out, "--no-onnx")
-    try:
+
+    def kill_after_a_checkpoint() -> None:
         wait_for(lambda: (out / "stages" / "step.json").exists(), 60, "a complete checkpoint")
         grid_fleet.kill("a3")
-        summary = finish(proc, 120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
+
+    summary = finish_after(proc, kill_after_a_checkpoint, 120)
     print(f"re-formed: {summary['events']}; replicas {summary['replica_sha256']}")
     assert summary["reformations"] == 1 and summary["grid"] == [["a0", "a1"], ["a2", "a4"]]
     assert "stage 1 replica 1: a3 lost, a4 takes it" in summary["events"][0]["why"]
