@@ -1,5 +1,6 @@
 """Shared test settings: hypothesis without per-example deadlines (threads, 2 cores)."""
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -22,9 +23,9 @@ LANES = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the
 def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
-    import pytest
-
+    # node ids (`...@lab`): registered after this file, it would run first and see none
     for item in items:
         path = item.nodeid
         for lane, prefixes in LANES.items():
