@@ -18,6 +18,11 @@ at the job's density, or the dense fp32 vector) the model predicts:
   them, and sends the sum (their union of supports, at most the dense vector) once
   to every member, which decodes it.
 
+Each step also pays ``hop_s``, the per-step cost the probes cannot see (a frame
+signed, hashed and handed between threads at both ends, members sharing a CPU): the
+coordinator learns it from the job's own measured all-reduce (`coordinator.collectives`);
+it is 0 until then. The ring takes 2(D-1) steps an axis, fan-out one, the hub two.
+
 Compute, the head's checkpoint upload and the coordinator's messages are the same
 whichever collective runs, so the choice does not depend on them; the caller adds
 them to the predicted round for the metrics. The model is deliberately simple: the
@@ -44,6 +49,7 @@ class Probe:
     down_bps: float = 0.0  # bytes per second from the broker
     encode_s: tuple[float, float] = (0.0, 0.0)  # compress n entries: fixed + per entry
     decode_s: tuple[float, float] = (0.0, 0.0)  # decode n entries and add them
+    hop_s: float = 0.0  # each step's cost beyond the round trip, learned in the job
 
     def encode(self, n: float) -> float:
         return max(self.encode_s[0], 0.0) + max(self.encode_s[1], 0.0) * n
@@ -88,7 +94,7 @@ def ring_seconds(probes: list[Probe], work: Workload) -> float:
     total += max(p.encode(entries) for p in probes)  # each member compresses its gradient
     for d in layout_dims(work.topology, world) or (world,):
         share, entries = share / d, entries / d
-        step = max(p.rtt_s + p.up(share) + p.down(share) for p in probes)
+        step = max(p.rtt_s + p.hop_s + p.up(share) + p.down(share) for p in probes)
         reduce = max(p.decode(entries) + p.encode(entries) for p in probes)
         gather = max(p.decode(entries) for p in probes)
         total += (d - 1) * (2 * step + reduce + gather)
@@ -100,7 +106,7 @@ def fanout_seconds(probes: list[Probe], work: Workload) -> float:
     if world < 2:
         return 0.0
     send = max(p.encode(work.numel) + p.up(work.payload_bytes) for p in probes)
-    take = max(p.rtt_s + p.down((world - 1) * work.payload_bytes)
+    take = max(p.rtt_s + p.hop_s + p.down((world - 1) * work.payload_bytes)
                + world * p.decode(work.numel) for p in probes)  # fmt: skip
     return send + take
 
@@ -112,10 +118,20 @@ def hub_seconds(probes: list[Probe], work: Workload) -> float:
     hub, members = probes[0], probes[1:]
     summed = min(world * work.payload_bytes, work.dense_bytes)
     send = max(p.encode(work.numel) + p.up(work.payload_bytes) for p in members)
-    gather = hub.rtt_s + hub.down((world - 1) * work.payload_bytes)
+    gather = hub.rtt_s + hub.hop_s + hub.down((world - 1) * work.payload_bytes)
     combine = world * hub.decode(work.numel) + hub.encode(work.numel)
-    spread = hub.up(summed) + max(p.rtt_s + p.down(summed) + p.decode(work.numel) for p in members)
+    spread = hub.up(summed) + max(p.rtt_s + p.hop_s + p.down(summed) + p.decode(work.numel)
+                                  for p in members)  # fmt: skip
     return send + gather + combine + spread
+
+
+def steps(algorithm: str, world: int, topology: str = "auto") -> int:
+    """Sequential broker steps of one all-reduce (each pays a round trip and `hop_s`)."""
+    if world < 2:
+        return 0
+    if algorithm == "ring":
+        return sum(2 * (d - 1) for d in layout_dims(topology, world) or (world,))
+    return {"fanout": 1, "hub": 2}[algorithm]
 
 
 SECONDS = {"ring": ring_seconds, "fanout": fanout_seconds, "hub": hub_seconds}

@@ -10,6 +10,19 @@ round (the all-reduce, the slowest member's measured compute, and the head's wai
 for its checkpoint: a round trip, the model up, the coordinator's save) and the
 measured round (the median of the head's round-to-round wall time, past the density
 warm-up when the epoch runs past it: the model predicts the target density's payload).
+
+The probes cannot see everything a step costs (frames signed and handed between
+threads, members sharing a CPU), so ``auto`` checks its choice against the job: after
+`CALIBRATION_ROUNDS` of the head's rows past the warm-up it takes the median measured
+all-reduce (the rows' ``comm_s``), learns the per-step cost the model missed (``hop_s``,
+the excess over the prediction spread over the collective's steps: once a job), and
+expects each other collective to take its prediction with that cost per step, or what
+it measured if it ran on these members before. When one is expected to take at most
+`SWITCH_SHARE` of the measured all-reduce, it re-plans: the ring re-forms from the last
+checkpoint (every round, by default) with that collective. The re-plan is logged,
+counted (``collective_replanned``) and listed in the summary; it is not a break of the
+ring (`Degrade`). The same members re-plan at most once per candidate less one, so
+noise cannot keep the ring re-forming.
 """
 
 from __future__ import annotations
@@ -17,16 +30,19 @@ from __future__ import annotations
 import itertools
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fedring.choose import choose_collective
-from fedring.collective.cost import Choice
+from fedring.choose import candidates, choose_collective
+from fedring.collective.cost import Choice, Probe, steps
 from fedring.compression.schedule import DGC_STAGES
 from fedring.config import JobSpec
 from fedring.coordinator.membership import Fleet
 
 log = logging.getLogger(__name__)
+
+CALIBRATION_ROUNDS = 20  # the head's rows an ``auto`` epoch measures before it checks
+SWITCH_SHARE = 0.9  # re-plan when another collective is expected to take at most this
 
 
 @dataclass
@@ -36,6 +52,10 @@ class _Planned:
     start_round: int
     choice: Choice
     numel: int
+    probes: list[Probe]
+    hop_s: float  # the per-step cost the prediction included
+    comm: list[float] = field(default_factory=list)  # measured all-reduce seconds
+    checked: bool = False
 
 
 def warmup_rounds(spec: JobSpec) -> int:
@@ -49,18 +69,74 @@ class CollectivePlans:
     def __init__(self) -> None:
         self.epochs: list[_Planned] = []
         self.saves: list[float] = []  # seconds each checkpoint took to write
+        self.hop_s = 0.0  # learned from the first measured epoch of an ``auto`` job
+        self.learned = False
+        # median measured all-reduce of each collective that ran, per member list
+        self.measured: dict[tuple[str, ...], dict[str, float]] = {}
+        self.replans: dict[tuple[str, ...], int] = {}
 
     def plan(self, spec: JobSpec, epoch: int, members: list[str], fleet: Fleet, numel: int,
              start: int) -> str:  # fmt: skip
         """The collective of `members` from round `start` (logged and kept)."""
-        probes = [fleet.cost_probe(a) for a in members]
+        probes = [replace(fleet.cost_probe(a), hop_s=self.hop_s) for a in members]
         choice = choose_collective(spec.replace(agents=len(members)), numel, probes)
+        if spec.collective == "auto":
+            expected = self._expected(members, choice)
+            best = min(expected, key=lambda a: (expected[a], list(expected).index(a)))
+            choice = Choice(best, choice.predicted_s)
         self.epochs = [p for p in self.epochs if p.epoch != epoch]
-        self.epochs.append(_Planned(epoch, list(members), start, choice, numel))
+        self.epochs.append(_Planned(epoch, list(members), start, choice, numel, probes,
+                                    self.hop_s))  # fmt: skip
         predicted = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in choice.predicted_s.items())
         log.info("epoch %d: collective %s (%s; predicted all-reduce %s)", epoch,
                  choice.algorithm, spec.collective, predicted)  # fmt: skip
         return choice.algorithm
+
+    def _expected(self, members: list[str], choice: Choice) -> dict[str, float]:
+        """Each candidate's all-reduce: measured on these members, else predicted."""
+        seen = self.measured.get(tuple(members), {})
+        return {a: seen.get(a, v) for a, v in choice.predicted_s.items()}
+
+    def observe(self, spec: JobSpec, rnd: int, row: dict[str, Any]) -> None:
+        """Keep the head's measured all-reduce of round `rnd` (past the warm-up)."""
+        if not self.epochs or spec.collective != "auto" or len(candidates(spec)) < 2:
+            return
+        planned, comm = self.epochs[-1], row.get("comm_s")
+        first = max(warmup_rounds(spec), planned.start_round + 2)  # past a new ring's start
+        if planned.checked or rnd <= first or not isinstance(comm, int | float) or comm <= 0:
+            return
+        planned.comm.append(float(comm))
+
+    def replan(self, spec: JobSpec) -> str:
+        """Why the job should re-form with another collective now, or "" (`observe`)."""
+        if not self.epochs or len(self.epochs[-1].comm) < CALIBRATION_ROUNDS:
+            return ""
+        planned = self.epochs[-1]
+        if planned.checked:
+            return ""
+        planned.checked = True
+        chosen, world = planned.choice.algorithm, len(planned.members)
+        measured = statistics.median(planned.comm)
+        self.measured.setdefault(tuple(planned.members), {})[chosen] = measured
+        predicted = planned.choice.predicted_s[chosen]
+        if not self.learned:
+            n = steps(chosen, world, spec.topology)
+            self.hop_s = max(0.0, (measured - predicted) / n) if n else 0.0
+            self.learned = True
+        probes = [replace(p, hop_s=self.hop_s) for p in planned.probes]
+        again = choose_collective(spec.replace(agents=world), planned.numel, probes)
+        expected = self._expected(planned.members, again)
+        best = min(expected, key=lambda a: (expected[a], list(expected).index(a)))
+        key = tuple(planned.members)
+        if best == chosen or expected[best] > SWITCH_SHARE * measured:
+            return ""
+        if self.replans.get(key, 0) >= len(expected) - 1:
+            return ""
+        self.replans[key] = self.replans.get(key, 0) + 1
+        return (f"collective {chosen} measured {measured * 1e3:.1f} ms an all-reduce "
+                f"(predicted {predicted * 1e3:.1f}); {best} is expected to take "
+                f"{expected[best] * 1e3:.1f} ms with the {self.hop_s * 1e3:.2f} ms a step "
+                "the probes missed: re-planning")  # fmt: skip
 
     def current(self, spec: JobSpec) -> str:
         return self.epochs[-1].choice.algorithm if self.epochs else spec.collective
@@ -97,6 +173,9 @@ class CollectivePlans:
                 "predicted_round_s": round(chosen + steps * compute + gate, 6),
                 "measured_round_s": round(statistics.median(gaps), 6) if gaps else None,
                 "measured_from_round": first,
+                "measured_allreduce_s": (round(statistics.median(planned.comm), 6)
+                                         if planned.comm else None),
+                "hop_s": round(planned.hop_s, 6),
             })  # fmt: skip
         return out
 

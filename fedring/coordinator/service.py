@@ -58,6 +58,10 @@ from fedring.wire.control import ControlCodec, ControlMessage
 
 log = logging.getLogger(__name__)
 SEND_S = 10.0
+# Rounds between the first and last member to halt that a re-plan resumes across: an
+# agent keeps its last 4 rounds' states (`edge_agent.worker`), a synchronous ring
+# halts within one round.
+HELD_SPREAD = 2
 
 
 class CoordinatorError(RuntimeError):
@@ -86,6 +90,8 @@ class _Epoch:
     acks: set[str] = field(default_factory=set)
     done: dict[str, dict[str, Any]] = field(default_factory=dict)
     gone: set[str] = field(default_factory=set)  # an asynchronous job goes on without them
+    held: str = ""  # sha256 of the state at `start` every member holds (no model sent)
+    halted: dict[str, tuple[int, str]] = field(default_factory=dict)  # round, sha256 at halt
 
 
 class Coordinator:
@@ -111,6 +117,7 @@ class Coordinator:
         self.wall_before = 0.0  # seconds earlier coordinator processes ran this job
         self.degrade = Degrade(spec)  # a ring that keeps breaking goes asynchronous
         self.collectives = CollectivePlans()  # each epoch's collective (`auto`: planned)
+        self.replanning = False  # the epoch ends because `auto` re-plans, not a break
 
     # -- the job ------------------------------------------------------------------
 
@@ -132,14 +139,18 @@ class Coordinator:
             self._publish_manifest("running")
             members = self._members()
             epoch = ck.epoch + 1 if self.opts.resume else 0
+            last: _Epoch | None = None
             while True:
                 if not members:
                     raise CoordinatorError("no agent holding a shard is online")
                 ep = _Epoch(epoch, members, ck.round)
-                done = self._run_segment(ep)
+                if self.replanning and last:  # the same members go on from where they halted
+                    ep.start, ep.held = self._held_round(last, members) or (ck.round, "")
+                self.replanning = False
+                done, last = self._run_segment(ep), ep
                 if done and self.degrade.returning:
                     done = self._back_to_ring(ep)
-                elif not done and (why := self.degrade.broke(ck.round)):
+                elif not done and not self.replanning and (why := self.degrade.broke(ck.round)):
                     log.warning(why)
                     self.counters.add("degraded_to_async")
                     self.events.append({"t": time.time(), "epoch": ep.number, "why": why})
@@ -306,15 +317,17 @@ class Coordinator:
         ck = self.ck
         assert ck is not None
         log.info("epoch %d: ring %s from round %d", ep.number, ep.members, ep.start)
+        # rounds after the start are run again (another ring may round differently)
+        self.hashes = {r: seen for r, seen in self.hashes.items() if r <= ep.start}
         collective = self.collectives.plan(self.spec, ep.number, ep.members, self.fleet,
                                            self._plan().initial.numel(), ep.start)  # fmt: skip
         docs = segment_docs(ck, ep.members, ep.number, ep.start,
                             self.fleet.frame_bytes(ep.members),
                             "async" if self.asynchronous else "ring",
-                            self.fleet.mixed(ep.members), collective)  # fmt: skip
+                            self.fleet.mixed(ep.members), collective, ep.held)  # fmt: skip
         for agent, doc in docs.items():
             self._send(agent, "manifest", doc, sign=False)
-            if ck.params is not None:
+            if ck.params is not None and not ep.held:
                 blob = ck.params.numpy().astype("<f4").tobytes()
                 self._send(agent, "model", {"round": ck.round}, blob, round=ck.round)
         stall = self._stall(ep.members)
@@ -342,6 +355,24 @@ class Coordinator:
                 progress = Deadline.after(stall)
             if why:
                 return self._reform(ep, why)
+            if moved and (why := self.collectives.replan(self.spec)):
+                self.counters.add("collective_replanned")
+                self.replanning = True  # a planned re-formation: the ring did not break
+                return self._reform(ep, why)
+
+    def _held_round(self, ep: _Epoch, members: list[str]) -> tuple[int, str] | None:
+        """The newest round every member of the halted `ep` still holds, and its state's
+        sha256, when they all halted within the snapshots they keep and agree on it."""
+        if members != ep.members or set(ep.halted) != set(members):
+            return None
+        rounds = [r for r, _ in ep.halted.values()]
+        start = min(rounds)
+        hashes = {sha for r, sha in ep.halted.values() if r == start}
+        if max(rounds) - start > HELD_SPREAD or len(hashes) != 1 or "" in hashes:
+            return None
+        log.info("epoch %d: every member holds round %d: no roll-back to the checkpoint",
+                 ep.number, start)  # fmt: skip
+        return start, hashes.pop()
 
     def _stall(self, members: list[str]) -> float:
         return self.opts.stall_s or self.fleet.stall(members, self.spec.timeout_s)
@@ -421,6 +452,7 @@ class Coordinator:
                 row = {**row, "wall_s": round(time.perf_counter() - self.t0, 4)}
             self.last_row = row
             row = self.collectives.tag(row)
+            self.collectives.observe(self.spec, rnd, row)
             self.rows[rnd] = {k: v for k, v in row.items() if k not in ("sha256", "machine")}
             outputs.append_row(self.opts.out, self.rows[rnd])  # a crash keeps the history
             if self.opts.on_round is not None:
@@ -493,6 +525,9 @@ class Coordinator:
                 self._checkpoint(ep, msg)
             if msg.kind in ("nack", "bye") and msg.doc.get("epoch") == ep.number:
                 waiting.discard(msg.src)
+                committed, sha = msg.doc.get("committed"), msg.doc.get("sha256")
+                if msg.kind == "nack" and type(committed) is int and isinstance(sha, str):
+                    ep.halted[msg.src] = (committed, sha)
         return False
 
     # -- the end ------------------------------------------------------------------

@@ -306,8 +306,10 @@ class AgentDaemon:
             except CollectiveError as exc:
                 log.warning("%s: segment %d stopped at round %d: %s",
                             self.me, seg.epoch, worker.committed, exc)  # fmt: skip
-                self._send(seg.job, "nack", {"epoch": seg.epoch, "committed": worker.committed,
-                                             "why": str(exc)})  # fmt: skip
+                self._send(seg.job, "nack", {
+                    "epoch": seg.epoch, "committed": worker.committed, "why": str(exc),
+                    "sha256": worker.state_sha256(worker.committed) or "",  # held: resumable
+                })  # fmt: skip
             except Exception as exc:  # a bug or a bad job: report it, keep the daemon up
                 log.exception("%s: segment %d failed", self.me, seg.epoch)
                 self._send(seg.job, "nack", {"epoch": seg.epoch, "committed": worker.committed,

@@ -263,6 +263,7 @@ class JobWorker:
             if gate is not None:
                 gate(r)
             if halt.is_set():
+                self._keep(r)  # held: a re-plan may resume here (its sha256 goes in the nack)
                 raise Halted(f"{self.me}: halted before round {r}")
             if self.drift:  # a test's stand-in for another architecture's rounding
                 nudge(self.model, self.drift, seed=r)

@@ -8,8 +8,11 @@ import json
 import signal
 from pathlib import Path
 
-from fedring.collective.cost import ALGORITHMS
+from fedring.collective.cost import ALGORITHMS, Choice
 from fedring.config import JobSpec
+from fedring.coordinator.collectives import CollectivePlans
+from fedring.coordinator.service import Coordinator, Options
+from fedring.transport.mqtt import BrokerConfig
 from fedring.sim.runner import simulate
 from fedring.transport.mosquitto import Mosquitto
 from tests.mqtt.conftest import (
@@ -58,3 +61,51 @@ def test_auto_plans_again_when_the_ring_re_forms(broker: Mosquitto, fleet: Fleet
     assert plans[-1]["members"] == n
     assert summary["layout"] == f"{plans[-1]['chosen']} of {n}"  # (a ring of <= 8: "ring of n")
     assert summary["identical_models"] and summary["rounds"] == 150
+
+
+class _SwitchAt(CollectivePlans):
+    """Re-plans once, to fanout, when the head's row of round `at` arrives; when to
+    re-plan is `collective.cost`'s business (`tests/coordinator/test_replan.py`)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.said = at, False
+
+    def observe(self, spec: JobSpec, rnd: int, row: dict) -> None:
+        self.seen = rnd
+
+    def replan(self, spec: JobSpec) -> str:
+        if self.said or getattr(self, "seen", 0) < self.at:
+            return ""
+        self.said = True
+        return "the test re-plans"
+
+    def plan(self, spec, epoch, members, fleet, numel, start):  # type: ignore[no-untyped-def]
+        super().plan(spec, epoch, members, fleet, numel, start)
+        chosen = "fanout" if epoch > 0 else "ring"
+        self.epochs[-1].choice = Choice(chosen, self.epochs[-1].choice.predicted_s)
+        return chosen
+
+
+def test_a_re_plan_resumes_where_the_members_halted(broker: Mosquitto, fleet: Fleet,
+                                                     tmp_path: Path) -> None:  # fmt: skip
+    """The ring halts and goes on with fanout from the round its members hold: nothing
+    is run twice, no model is sent, and the members end identical."""
+    spec = JobSpec.from_mapping({"agents": 4, "dataset": "digits", "eval_every": 10,
+                                 "seed": 0, "timeout_s": 20.0, "rounds": 80,
+                                 "collective": "auto", "checkpoint_every": 1000})  # fmt: skip
+    coord = Coordinator(spec, BrokerConfig.parse(broker.url), Options(out=tmp_path / "run"))
+    coord.collectives = _SwitchAt(30)
+    summary = coord.run()
+    ring, fanout = summary["collective"]
+    assert (ring["chosen"], fanout["chosen"]) == ("ring", "fanout")
+    assert 30 <= fanout["from_round"] <= 34  # where they halted, not the round-0 checkpoint
+    assert summary["coordinator_counters"]["collective_replanned"] == 1 and summary["epochs"] == 2
+    assert "hash_mismatch" not in summary["coordinator_counters"]
+    assert summary["identical_models"] and summary["rounds"] == 80
+    assert summary["events"][0]["why"] == "the test re-plans"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]  # fmt: skip
+    assert [r["round"] for r in rows] == list(range(1, 81))  # no round twice
+    for agent in summary["agent_counters"].values():
+        assert "model_unexpected" not in agent
