@@ -12,9 +12,9 @@ from fedring.collective.cost import ALGORITHMS, Choice
 from fedring.config import JobSpec
 from fedring.coordinator.collectives import CollectivePlans
 from fedring.coordinator.service import Coordinator, Options
-from fedring.transport.mqtt import BrokerConfig
 from fedring.sim.runner import simulate
 from fedring.transport.mosquitto import Mosquitto
+from fedring.transport.mqtt import BrokerConfig
 from tests.mqtt.conftest import (
     Fleet,
     checkpoint_round,
