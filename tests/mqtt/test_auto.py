@@ -11,7 +11,7 @@ from pathlib import Path
 from fedring.collective.cost import ALGORITHMS, Choice
 from fedring.config import JobSpec
 from fedring.coordinator.collectives import CollectivePlans
-from fedring.coordinator.service import Coordinator, Options
+from fedring.coordinator.service import HELD_SPREAD, Coordinator, Options
 from fedring.sim.runner import simulate
 from fedring.transport.mosquitto import Mosquitto
 from fedring.transport.mqtt import BrokerConfig
@@ -89,8 +89,9 @@ class _SwitchAt(CollectivePlans):
 
 def test_a_re_plan_resumes_where_the_members_halted(broker: Mosquitto, fleet: Fleet,
                                                      tmp_path: Path) -> None:  # fmt: skip
-    """The ring halts and goes on with fanout from the round its members hold: nothing
-    is run twice, no model is sent, and the members end identical."""
+    """The ring halts and goes on with fanout from the round its members hold: no
+    model is sent, only a member that halted a round later runs that round again, and
+    the members end identical."""
     spec = JobSpec.from_mapping({"agents": 4, "dataset": "digits", "eval_every": 10,
                                  "seed": 0, "timeout_s": 20.0, "rounds": 80,
                                  "collective": "auto", "checkpoint_every": 1000})  # fmt: skip
@@ -106,6 +107,8 @@ def test_a_re_plan_resumes_where_the_members_halted(broker: Mosquitto, fleet: Fl
     assert summary["events"][0]["why"] == "the test re-plans"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
             .splitlines()]  # fmt: skip
-    assert [r["round"] for r in rows] == list(range(1, 81))  # no round twice
+    rounds = [r["round"] for r in rows]
+    assert sorted(set(rounds)) == list(range(1, 81))
+    assert len(rounds) - 80 <= HELD_SPREAD  # only rounds past the first to halt, again
     for agent in summary["agent_counters"].values():
         assert "model_unexpected" not in agent
