@@ -222,15 +222,31 @@ def bench_grid_cmd(
     seed: int = typer.Option(0, "--seed"),
     out: Path = typer.Option(Path("runs/lab-grid"), "--out", help="grid.json, grid.md, grid.png."),
     timeout: float = typer.Option(600.0, "--timeout", help="Per run, seconds, start-up included."),
+    report_only: bool = typer.Option(
+        False, "--report-only",
+        help="Run nothing: re-make OUT/grid.md and grid.png from OUT/grid.json (and each "
+        "fedring run's metrics under OUT).",
+    ),
 ) -> None:
     """Time to target for every method in every cell (N x bandwidth x delay x model), one
     run: fedring's collectives (and `auto`) beside the dense ring, Flower, DDP and PowerSGD."""
+    import json
     import time
 
     from fedring.bench import lab_grid
     from fedring.lab import netns
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if report_only:
+        try:
+            doc = json.loads((out / "grid.json").read_text())
+        except (OSError, ValueError) as exc:
+            err.print(f"[red]error: --report-only needs {escape(str(out / 'grid.json'))}: "
+                      f"{escape(str(exc))}[/red]")  # fmt: skip
+            raise typer.Exit(2) from None
+        lab_grid.write(lab_grid.fill_round_ms(doc, out), out)
+        print((out / "grid.md").read_text())
+        return
     try:
         models = tuple(lab_grid.parse_model(m) for m in model)
         methods = lab_grid.check_methods(method)

@@ -24,7 +24,9 @@ best accuracy. Time to target counts training only, as in `fedring.bench.edge_la
 
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -144,6 +146,7 @@ class Run:
     wall_seconds: float = 0.0
     delay_applied: bool = True
     collective: str = ""  # auto: the algorithm the coordinator chose
+    round_ms: float | None = None  # fedring's: median wall ms from one round's row to the next
     error: str = ""
     curve: list[tuple[float, float]] = field(default_factory=list)  # (seconds, accuracy)
 
@@ -185,6 +188,7 @@ def fedring_run(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int, out:
     _score(run, [(float(r["wall_s"]), float(r["accuracy"])) for r in rows
                  if "accuracy" in r and "wall_s" in r])  # fmt: skip
     run.rounds = int(result["summary"].get("rounds", 0))
+    run.round_ms = round_ms(rows)
     sent = [b[0] for b in result["link_bytes"].values()]
     received = [b[1] for b in result["link_bytes"].values()]
     run.bytes_sent_per_agent = sum(sent) / len(sent)
@@ -194,6 +198,29 @@ def fedring_run(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int, out:
     if not result["summary"].get("identical_models", True):
         run.error = "models differ"
     return run, bool(result.get("capped"))
+
+
+def round_ms(rows: list[dict[str, Any]]) -> float | None:
+    """The median wall ms from one round's row to the next: the collective's pace
+    without the convergence noise that time to target carries."""
+    walls = [float(r["wall_s"]) for r in rows if "wall_s" in r]
+    gaps = [b - a for a, b in itertools.pairwise(walls)]
+    return round(statistics.median(gaps) * 1e3, 3) if gaps else None
+
+
+def fill_round_ms(doc: dict[str, Any], out: Path) -> dict[str, Any]:
+    """`doc` with every fedring run's `round_ms`, read from its job's ``metrics.jsonl``
+    under `out` where a grid run before that field left it out."""
+    for r in doc["runs"]:
+        if r["method"] not in FEDRING or r.get("round_ms") is not None:
+            continue
+        slug = Cell(r["agents"], r["bandwidth_mbps"], r["delay_ms"],
+                    parse_model(r["model"])).slug  # fmt: skip
+        path = out / f"n{r['agents']}" / slug / r["method"] / "metrics.jsonl"
+        if path.exists():
+            r["round_ms"] = round_ms([json.loads(line) for line in path.read_text().splitlines()
+                                      if line.strip()])  # fmt: skip
+    return doc
 
 
 def chosen_collective(result: dict[str, Any]) -> str:

@@ -65,6 +65,34 @@ def auto_vs_best(runs: dict[str, dict[str, Any]]) -> str:
     return f"{auto['seconds_to_target'] / best:.2f}"
 
 
+def pace_vs_best(runs: dict[str, dict[str, Any]]) -> str:
+    """auto's median round over the fastest fixed collective's: whether it picked the
+    fastest collective, without the convergence noise in time to target."""
+    auto = runs.get("auto")
+    fixed = [runs[m].get("round_ms") for m in ("ring", "fanout", "hub") if m in runs]
+    best = min((t for t in fixed if t), default=None)
+    if auto is None or not auto.get("round_ms") or best is None:
+        return "–"
+    return f"{auto['round_ms'] / best:.2f}"
+
+
+def paces(doc: dict[str, Any]) -> list[str]:
+    """The table of fedring's median round, ms, per collective and cell."""
+    mine = [m for m in COMPRESSED if m in doc["methods"]]
+    if not any(r.get("round_ms") for r in doc["runs"]):
+        return []
+    lines = ["", "Median ms from one round to the next (fedring's collectives; `auto`'s "
+             "includes its tries):", "",
+             "| N | model | Mbit/s | delay ms | " + " | ".join(LABELS[m] for m in mine)
+             + " | auto ÷ fastest fixed |", "|" + "---|" * (len(mine) + 5)]  # fmt: skip
+    for (n, bw, delay, model), runs in cells(doc):
+        row = [str(n), model, f"{bw:g}", f"{delay:g}"]
+        row += [f"{runs[m]['round_ms']:.1f}" if runs.get(m, {}).get("round_ms") else "–"
+                for m in mine]  # fmt: skip
+        lines.append("| " + " | ".join([*row, pace_vs_best(runs)]) + " |")
+    return lines
+
+
 def tables(doc: dict[str, Any]) -> str:
     methods = [m for m in doc["methods"]]
     head = "| N | model (params) | Mbit/s | delay ms | " + " | ".join(
@@ -91,6 +119,7 @@ def tables(doc: dict[str, Any]) -> str:
         row = [str(n), model, f"{bw:g}", f"{delay:g}", name]
         row += [speedup(mine, runs[m]) if m in runs else "not run" for m in peers]
         lines.append("| " + " | ".join(row) + " |")
+    lines += paces(doc)
     if doc.get("not_run"):
         lines += ["", "Cells not run (the grid's time budget ran out before they started):", ""]
         lines += [f"- N={c['agents']}, {c['bandwidth_mbps']:g} Mbit/s, {c['delay_ms']:g} ms, "

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from fedring.bench import lab_grid
-from fedring.bench.lab_grid_report import seconds, speedup
+from fedring.bench.lab_grid_report import pace_vs_best, seconds, speedup
 from fedring.lab.delayline import packet_delay
 from fedring.lab.lab import Lab
 from tests.lab.labcheck import leftovers
@@ -34,6 +34,16 @@ def test_speedups_are_bounds_where_a_run_was_capped() -> None:
     assert speedup(_run("auto", None), _run("ddp", 30.0)) == "< 0.50×"
     assert speedup(_run("auto", None), _run("ddp", None)) == "–"
     assert seconds(_run("flower", None)) == "> 60 (0.900)"
+
+
+def test_the_pace_of_a_run_is_its_median_round_and_auto_is_judged_on_it() -> None:
+    rows = [{"round": r, "wall_s": w} for r, w in enumerate([1.0, 1.01, 1.03, 1.04, 2.0], 1)]
+    rows.insert(2, {"round": 2, "accuracy": 0.5})  # a row without a wall time is skipped
+    assert lab_grid.round_ms(rows) == 15.0  # gaps 10, 20, 10, 960 ms: the median
+    assert lab_grid.round_ms(rows[:1]) is None
+    runs = {"ring": {"round_ms": 20.0}, "fanout": {"round_ms": 10.0}, "auto": {"round_ms": 11.0}}
+    assert pace_vs_best(runs) == "1.10"
+    assert pace_vs_best({"ring": {"round_ms": None}, "auto": {"round_ms": 11.0}}) == "–"
 
 
 def test_models_and_methods_are_checked_at_the_edge() -> None:
@@ -90,6 +100,11 @@ def test_one_small_grid_runs_end_to_end_and_leaves_nothing(tmp_path: Path) -> No
         assert r["bytes_sent_per_agent"] > 10_000
     saved = json.loads((tmp_path / "grid.json").read_text())
     assert len(saved["runs"]) == 2 and saved["not_run"] == []
+    paced = next(r for r in saved["runs"] if r["method"] == "fanout")
+    assert paced["round_ms"] == runs["fanout"]["round_ms"] > 0
+    paced["round_ms"] = None  # a grid run before the field: re-read from the job's rows
+    lab_grid.fill_round_ms(saved, tmp_path)
+    assert paced["round_ms"] == runs["fanout"]["round_ms"]
     table = (tmp_path / "grid.md").read_text()
     assert "| 2 | digits/mlp (17,226) | 50 | 20 |" in table
     assert (tmp_path / "grid.png").stat().st_size > 10_000
