@@ -259,7 +259,10 @@ class PeerChannel:
                 return  # meant for an earlier job or epoch
             if item.kind == "joined":
                 self._seen.forget(item.name)  # a restarted peer counts from 0 again
-            elif item.name in srcs:
+            elif item.name in srcs and (item.name not in self.endpoint.peers()
+                                        or self._seen.heard(item.name)):  # fmt: skip
+                # (the loss of a peer that is online again and that this channel never
+                # heard from was queued before it began, during an earlier job: stale)
                 self.counters.add("peer_lost")
                 if on_lost is None:
                     raise PeerLost(item.name)

@@ -152,6 +152,10 @@ class SeenWindow:
         self._seen.pop(src, None)
         self._high.pop(src, None)
 
+    def heard(self, src: str) -> bool:
+        """True once a frame of `src` was taken (since it last restarted)."""
+        return src in self._high
+
     def first_time(self, src: str, seq: int) -> bool:
         """True the first time (src, seq) is seen; False for a repeat or a too-old seq."""
         high = self._high.get(src, -1)
