@@ -499,7 +499,7 @@ class Coordinator:
         """Halt the survivors and wait until they stopped; the caller starts a new epoch."""
         log.warning("epoch %d ends: %s; re-forming from round %d", ep.number, why,
                     self.ck.round if self.ck else 0)  # fmt: skip
-        assert self.link is not None
+        assert self.link is not None and self.ck is not None
         self.events.append({"t": time.time(), "epoch": ep.number, "why": why})
         for agent in ep.members:
             if agent in self.link.peers():
@@ -517,13 +517,12 @@ class Coordinator:
             msg = self._decode(item)
             if msg is None:
                 continue
-            if (
-                msg.kind == "model"
-                and msg.doc.get("epoch") == ep.number
-                and msg.src == ep.members[0]
-            ):
+            this_epoch = msg.job == self.ck.job and msg.doc.get("epoch") == ep.number
+            if item.kind == "metrics" and this_epoch:
+                self._on_metrics(ep, msg)  # a round that ended before the halt may be held
+            if msg.kind == "model" and this_epoch and msg.src == ep.members[0]:
                 self._checkpoint(ep, msg)
-            if msg.kind in ("nack", "bye") and msg.doc.get("epoch") == ep.number:
+            if msg.kind in ("nack", "bye") and this_epoch:
                 waiting.discard(msg.src)
                 committed, sha = msg.doc.get("committed"), msg.doc.get("sha256")
                 if msg.kind == "nack" and type(committed) is int and isinstance(sha, str):
