@@ -32,6 +32,7 @@ from fedring.config import JobSpec
 from fedring.lab import impair, netns
 from fedring.lab.impair import Loss, apply_loss
 from fedring.lab.netns import AGENT_IFACE, Net
+from fedring.report.files import atomic_write
 from fedring.transport.mosquitto import Mosquitto
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class Lab:
             old = json.loads(path.read_text()) if path.exists() else {}
             doc.update(namespaces=old.get("namespaces", {}), pids=old.get("pids", pids),
                        closed_at=closed_at)  # fmt: skip
-        (self.workdir / "lab.json").write_text(json.dumps(doc, indent=1))
+        atomic_write(self.workdir / "lab.json", json.dumps(doc, indent=1))  # tests poll it
 
     def host(self, node: str) -> str:
         return self.net.host(node)
