@@ -85,7 +85,7 @@ class CollectivePlans:
         choice = choose_collective(spec.replace(agents=len(members)), numel, probes)
         if spec.collective == "auto":
             expected = self._expected(members, choice)
-            best = min(expected, key=lambda a: (expected[a], list(expected).index(a)))
+            best = min(expected, key=expected.__getitem__)  # a tie: the first listed
             if self.pending in expected and self.epochs and self.epochs[-1].members == members:
                 best = self.pending  # a re-plan's trial, or the best measured after trials
             choice = Choice(best, choice.predicted_s)
@@ -136,13 +136,13 @@ class CollectivePlans:
         again = choose_collective(spec.replace(agents=world), planned.numel, probes).predicted_s
         untried = [a for a in again if a not in seen and again[a] <= TRY_WITHIN * measured]
         if untried:
-            self.pending = min(untried, key=lambda a: (again[a], list(again).index(a)))
+            self.pending = min(untried, key=again.__getitem__)  # a tie: the first listed
             return (f"trying {self.pending}: predicted {again[self.pending] * 1e3:.1f} ms an "
                     f"all-reduce, {chosen} measured {measured * 1e3:.1f} (predicted "
                     f"{predicted * 1e3:.1f}; {self.hop_s * 1e3:.2f} ms a step the probes "
                     "missed)")  # fmt: skip
         self.settled.add(key)
-        best = min(seen, key=lambda a: seen[a])
+        best = min(seen, key=seen.__getitem__)
         if best == chosen:
             return ""
         self.pending = best
