@@ -45,7 +45,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from fedring.bench.launch import BaselineError, Host, Launch, agent_nodes, stop_all
+from fedring.bench.launch import (
+    BaselineError,
+    Host,
+    Launch,
+    agent_nodes,
+    exit_past_gloo_teardown,
+    stop_all,
+)
 from fedring.bench.powersgd import register_powersgd
 from fedring.bench.sessions import free_port
 from fedring.build import lr_schedule
@@ -311,3 +318,4 @@ def _wait(procs: list[subprocess.Popen[bytes]], out: Path, timeout_s: float) -> 
 
 if __name__ == "__main__":
     worker(_parser().parse_args())
+    exit_past_gloo_teardown()  # a failed rank raised above and exits non-zero

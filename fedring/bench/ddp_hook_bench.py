@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from fedring.bench.launch import exit_past_gloo_teardown
 from fedring.bench.powersgd import CountedPowerSGD, register_powersgd
 from fedring.bench.sessions import free_port
 from fedring.engine.ddp_hook import GroupTopKState, group_topk_hook, ring_allreduce_bytes
@@ -181,6 +182,7 @@ def _worker(rank: int, cfg: RunConfig, shards: list[_Shard], port: int, out: str
         torch.save(_train(rank, cfg, shards[rank]), Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    exit_past_gloo_teardown()  # a rank that raised goes back to spawn's error report
 
 
 def run_world(cfg: RunConfig, out: Path, timeout_s: float = 180.0) -> list[dict[str, Any]]:
