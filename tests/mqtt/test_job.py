@@ -180,7 +180,9 @@ def test_a_hung_agent_is_lost_within_1_5_keepalives_and_the_job_finishes(
     finally:
         fleet.procs["a1"].send_signal(signal.SIGCONT)
     summary = finish(proc)
-    lost = [e for e in summary["events"] if e["why"] == "a1 lost"]
+    # the coordinator, or a ring member whose channel heard the silence first (CI saw both)
+    whys = ("a1 lost", "peer 'a1' left or was lost")
+    lost = [e for e in summary["events"] if e["why"].endswith(whys)]
     assert lost, summary["events"]
     assert lost[0]["t"] - stopped_at <= 1.5 * 5  # 1.5 x keep-alive
     assert summary["coordinator_counters"].get("peer_silent", 0) >= 1
