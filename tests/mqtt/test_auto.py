@@ -68,8 +68,9 @@ def test_auto_plans_again_when_the_ring_re_forms(broker: Mosquitto, fleet: Fleet
 class _SwitchAt(CollectivePlans):
     """Re-plans once, to fanout, when the head's row of round `at` arrives; when to
     re-plan is `collective.cost`'s business (`tests/coordinator/test_replan.py`).
-    Given `coord`, it first lets the members run `ahead` rounds past `at`: their rows
-    are still queued when the coordinator halts them."""
+    Given `coord`, it first waits until `ahead` items (the head's rows past `at`) are
+    in the coordinator's queue: the members ran ahead, and those rows are still queued
+    when the coordinator halts them."""
 
     def __init__(self, at: int, coord: Coordinator | None = None, ahead: int = 4) -> None:
         super().__init__()
