@@ -29,8 +29,10 @@ from fedring.counters import Counters
 from fedring.wire.chunks import Reassembler, SeenWindow, split_payload
 from fedring.wire.errors import FrameError, FrameReason
 from fedring.wire.frame import Frame, FrameLimits, decode_frame, encode_frame
+from fedring.wire.jsondoc import parse_document
 
 log = logging.getLogger(__name__)
+_KEY_HOLDER = "coordinator"  # `transport.topics.COORDINATOR`: only it sends unsigned
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,8 @@ class ControlCodec:
                 frame = decode_frame(data, None, self.limits)  # unsigned: a new enrolment?
             except FrameError:
                 raise exc from None  # signed with another key: say so, not "no key here"
-            if frame.kind != "manifest":
-                raise
+            if frame.kind != "manifest" or frame.src != _KEY_HOLDER:
+                raise  # an agent's unsigned frame would be read as a manifest (issue 27)
             return frame, False
 
 
@@ -127,12 +129,7 @@ def _message(head: Frame, body: bytes, signed: bool) -> ControlMessage:
     size = head.meta.get("doc")
     if type(size) is not int or not 0 <= size <= len(body):
         raise FrameError(FrameReason.MALFORMED, f"meta 'doc'={size!r} for a {len(body)}-byte body")
-    try:
-        doc = json.loads(body[:size]) if size else {}
-    except ValueError as exc:
-        raise FrameError(FrameReason.MALFORMED, f"control document is not JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise FrameError(FrameReason.MALFORMED, "control document is not an object")
+    doc = parse_document(body[:size], what=f"{head.kind} document") if size else {}
     return ControlMessage(head.kind, head.job, head.src, head.round, doc, body[size:], signed)
 
 
