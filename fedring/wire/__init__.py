@@ -1,4 +1,4 @@
-"""Frames on the wire: msgpack envelope, compact payload frames, integrity, parts, arrays."""
+"""Frames on the wire: msgpack envelope, compact payload frames, seals, parts, arrays."""
 
 from fedring.wire.arrays import DTYPES, pack_arrays, unpack_arrays
 from fedring.wire.chunks import Reassembler, SeenWindow, split_payload
@@ -12,12 +12,14 @@ from fedring.wire.frame import (
     decode_frame,
     encode_frame,
 )
+from fedring.wire.seal import SEALED_VERSION
 
 __all__ = [
     "COMPACT_VERSION",
     "DTYPES",
     "KINDS",
     "PROTOCOL_VERSION",
+    "SEALED_VERSION",
     "Frame",
     "FrameError",
     "FrameLimits",

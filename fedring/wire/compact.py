@@ -1,22 +1,28 @@
-"""Compact frames (protocol version 2): every payload frame a `PeerChannel` sends.
+"""Compact frames: every payload frame a `PeerChannel` sends.
 
 A sparse ring chunk of the MNIST-1D CNN carries about 30 bytes of payload; the
 version-1 envelope (`fedring.wire.frame`: a msgpack map with string keys, a 32-byte
 sha256 and a 32-byte HMAC) cost about 260 more. A compact frame says the same in
-a header of at most 64 bytes for single-part frames of the ring's codecs:
+a header of at most 64 bytes for single-part frames of the ring's codecs. Version 2
+is an unkeyed job's (in the clear, with a digest); version 3 a keyed job's (its body
+sealed, `fedring.wire.seal`):
 
-    byte 0       version, 2         (a version-1 frame starts with a msgpack map byte)
-    byte 1       flags              bit 0: the tag is an HMAC (the job has a key);
-                                    bit 1: one part of a split payload
+    byte 0       version            2 clear, 3 sealed (a version-1 frame starts
+                                    with a msgpack map byte)
+    byte 1       flags              bit 1: one part of a split payload; bit 0 was
+                                    "the tag is an HMAC" (keyed version 2, refused)
     bytes 2-5    route              sha256(context)[:4], context = (job, src, dst)
     byte 6       n                  length of the fields
     n bytes      fields             one msgpack array: seq, round, step, phase,
                                     [part index, part count, 8-byte payload digest,]
                                     a mask of the meta keys of KEYS present, their
                                     values in KEYS order, then other meta as key, value
-    12 bytes     tag                HMAC-SHA256(key, context | header | body)[:12] when
-                                    keyed, sha256(context | header | body)[:12] when not
+    version 2:
+    12 bytes     tag                sha256(context | header | body)[:12]
     the rest     body
+    version 3:
+    the rest     sealed body        AES-256-GCM-SIV(body), then its 16-byte tag; the
+                                    associated data is context | header
 
 Job, sender and receiver names are not on the wire: every transport names the
 sender, and the receiver knows its job and its own name. They are bound by the
@@ -25,16 +31,18 @@ and refused as `unexpected`) and by the tag, which covers them in full. Meta key
 and the strings of the payload meta (codec ids, array names, dtypes) travel as
 bits and one-byte codes from the tables below (an array whose dims repeat the
 previous array's is its code alone); anything outside the tables travels as
-itself, so they only decide size, never what can be said. The tag is truncated
-to 96 bits, as TLS's Finished message and IPsec's HMAC-SHA1-96 do: a forger
-guesses it with probability 2^-96 a try, and a damaged frame passes as often.
+itself, so they only decide size, never what can be said. The header stays in the
+clear when sealed: a reader outside the job learns sizes, counters and shapes,
+never a value. A clear frame's digest is truncated to 96 bits: a damaged frame
+passes with probability 2^-96.
 
 A part of a split payload (more than `FrameLimits.max_body_bytes` of body) adds
 its index, count and an 8-byte digest of the joined payload (about 13 bytes);
 the payload's integrity rests on every part's own tag, and this digest catches
-parts of two different payloads joined under one message id.
+parts of two different payloads joined under one message id. (Sealed, that
+digest lets a reader confirm a guess of a whole payload, never learn one.)
 
-Control messages (hello, manifest, model, ...) stay version-1 frames.
+Control messages (hello, manifest, model, ...) stay msgpack maps (`wire.frame`).
 """
 
 from __future__ import annotations
@@ -50,11 +58,12 @@ import msgpack
 
 from fedring.wire.errors import FrameError, FrameReason
 from fedring.wire.frame import Frame, FrameLimits, check_shape, unpack_bounded
+from fedring.wire.seal import SEAL_TAG_BYTES, SEALED_VERSION, open_sealed, seal
 
-COMPACT_VERSION = 2
-TAG_BYTES = 12
+COMPACT_VERSION = 2  # in the clear: an unkeyed job's frames
+TAG_BYTES = 12  # a clear frame's digest
 PART_DIGEST_BYTES = 8
-KEYED, SPLIT = 0x01, 0x02
+KEYED, SPLIT = 0x01, 0x02  # KEYED: a version-2 frame with an HMAC, from before sealing
 _PREFIX = struct.Struct("<BB4sB")  # version, flags, route, fields length
 _V1_FIRST = frozenset({*range(0x80, 0x90), 0xDE, 0xDF})  # msgpack map headers
 _MAX_COUNTER = 2**63 - 1
@@ -82,10 +91,8 @@ def context(job: str, src: str, dst: str) -> tuple[bytes, bytes]:
     return ctx, hashlib.sha256(ctx).digest()[:4]
 
 
-def _tag(
-    key: bytes | None, ctx: bytes, head: bytes | memoryview, body: bytes | memoryview
-) -> bytes:
-    h = hmac.new(key, ctx, hashlib.sha256) if key is not None else hashlib.sha256(ctx)
+def _tag(ctx: bytes, head: bytes | memoryview, body: bytes | memoryview) -> bytes:
+    h = hashlib.sha256(ctx)
     h.update(head)
     h.update(body)
     return h.digest()[:TAG_BYTES]
@@ -95,12 +102,12 @@ def _tag(
 
 
 def encode_compact(frame: Frame, key: bytes | None = None) -> bytes:
-    """Encode a ``chunk`` frame compactly; with `key`, its tag is an HMAC."""
+    """Encode a ``chunk`` frame compactly; with `key` (a keyed job), its body sealed."""
     if frame.kind != "chunk":
         raise ValueError(f"compact frames carry chunks, not {frame.kind!r}")
     meta = dict(frame.meta)
     fields: list[Any] = [frame.seq, frame.round, frame.step, frame.phase]
-    flags = KEYED if key is not None else 0
+    flags = 0
     i, n = frame.part
     if n > 1:
         flags |= SPLIT
@@ -118,8 +125,11 @@ def encode_compact(frame: Frame, key: bytes | None = None) -> bytes:
     if len(packed) > 255:
         raise ValueError(f"compact header fields of {len(packed)} bytes > 255")
     ctx, route = context(frame.job, frame.src, frame.dst)
-    head = _PREFIX.pack(COMPACT_VERSION, flags, route, len(packed)) + packed
-    return b"".join((head, _tag(key, ctx, head, frame.body), frame.body))
+    version = COMPACT_VERSION if key is None else SEALED_VERSION
+    head = _PREFIX.pack(version, flags, route, len(packed)) + packed
+    if key is not None:
+        return head + seal(key, ctx + head, frame.body)
+    return b"".join((head, _tag(ctx, head, frame.body), frame.body))
 
 
 def _encode_value(name: str, value: Any) -> Any:
@@ -147,8 +157,9 @@ def _encode_array(name: str, dtype: Any, dims: list[Any], same: bool) -> Any:
 
 
 def header_bytes(data: bytes) -> int:
-    """Bytes before the body of an encoded compact frame."""
-    return _PREFIX.size + data[_PREFIX.size - 1] + TAG_BYTES
+    """Bytes of an encoded compact frame that are not its body: header and tag."""
+    tag = SEAL_TAG_BYTES if data[0] == SEALED_VERSION else TAG_BYTES
+    return _PREFIX.size + data[_PREFIX.size - 1] + tag
 
 
 # --------------------------------------------------------------------------- decode
@@ -163,46 +174,61 @@ def decode_compact(
     key: bytes | None = None,
     limits: FrameLimits | None = None,
 ) -> Frame:
-    """Decode and verify a compact frame that `src` sent to one of `dsts` in `job`.
+    """Decode and verify (or open) a compact frame that `src` sent to one of `dsts` in `job`.
 
     Raises `FrameError`: a frame routed to another job, sender or receiver is
-    ``unexpected``; a wrong tag is ``bad_mac`` when keyed, ``bad_sha256`` when not.
+    ``unexpected``; a sealed frame that does not open under `key`, a clear frame
+    where the job has a key and a sealed one where it has none are ``bad_mac``; a
+    clear frame whose digest is wrong is ``bad_sha256``; a version-2 frame signed
+    with an HMAC (before sealing) is ``bad_version``.
     """
     limits = limits or FrameLimits()
     if len(data) > limits.max_frame_bytes:
         raise FrameError(
             FrameReason.OVERSIZE, f"frame of {len(data)} bytes > {limits.max_frame_bytes}"
         )
-    if data[:1] != bytes([COMPACT_VERSION]):
-        if not data:
-            raise FrameError(FrameReason.TRUNCATED, "an empty frame")
-        old = " (a version-1 msgpack frame)" if data[0] in _V1_FIRST else ""
+    if not data:
+        raise FrameError(FrameReason.TRUNCATED, "an empty frame")
+    version = data[0]
+    if version not in (COMPACT_VERSION, SEALED_VERSION):
+        old = " (a version-1 msgpack frame)" if version in _V1_FIRST else ""
         raise FrameError(
-            FrameReason.BAD_VERSION, f"v={data[0]}{old}, this side speaks {COMPACT_VERSION}"
+            FrameReason.BAD_VERSION,
+            f"v={version}{old}, this side speaks {COMPACT_VERSION} and {SEALED_VERSION}",
         )
     if len(data) < _PREFIX.size:
         raise FrameError(FrameReason.TRUNCATED, f"frame of {len(data)} bytes has no header")
     _, flags, route, n = _PREFIX.unpack_from(data)
-    if flags & ~(KEYED | SPLIT):
+    sealed = version == SEALED_VERSION
+    if flags & KEYED and not sealed:
+        raise FrameError(
+            FrameReason.BAD_VERSION,
+            f"a version-2 frame from {src!r} signed with an HMAC: a keyed job's frames are "
+            f"sealed (version {SEALED_VERSION})",
+        )
+    if flags & ~SPLIT:
         raise FrameError(FrameReason.MALFORMED, f"field 'flags'={flags:#04x} has unknown bits")
     end = _PREFIX.size + n
-    if len(data) < end + TAG_BYTES:
+    if len(data) < end + (SEAL_TAG_BYTES if sealed else TAG_BYTES):
         raise FrameError(FrameReason.TRUNCATED, f"frame of {len(data)} bytes, header needs more")
     dst = _route(route, job, src, dsts)
-    if (key is not None) != bool(flags & KEYED):
-        has = "carries a MAC but this job has no key" if key is None else "has no MAC"
+    if (key is not None) != sealed:
+        has = "is sealed but this job has no key" if key is None else "is not sealed"
         raise FrameError(FrameReason.BAD_MAC, f"frame from {src!r} {has}")
     view = memoryview(data)
     ctx, _ = context(job, src, dst)
-    if not hmac.compare_digest(_tag(key, ctx, view[:end], view[end + TAG_BYTES :]),
-                               view[end : end + TAG_BYTES]):  # fmt: skip
-        reason = FrameReason.BAD_MAC if key is not None else FrameReason.BAD_SHA256
-        raise FrameError(reason, f"tag of a frame from {src!r} does not match")
+    if key is not None:
+        body = open_sealed(key, ctx + data[:end], view[end:], f"frame from {src!r}")
+    elif hmac.compare_digest(_tag(ctx, view[:end], view[end + TAG_BYTES :]),
+                             view[end : end + TAG_BYTES]):  # fmt: skip
+        body = data[end + TAG_BYTES :]
+    else:
+        raise FrameError(FrameReason.BAD_SHA256, f"tag of a frame from {src!r} does not match")
     fields = unpack_bounded(view[_PREFIX.size : end], limits)
     if not isinstance(fields, list) or len(fields) < 4:
         raise FrameError(FrameReason.MALFORMED, "fields are not an array of at least 4")
     check_shape({"meta": fields}, limits.max_depth)
-    return _frame(fields, bool(flags & SPLIT), job, src, dst, data[end + TAG_BYTES :], limits)
+    return _frame(fields, bool(flags & SPLIT), job, src, dst, body, limits)
 
 
 def _route(route: bytes, job: str, src: str, dsts: tuple[str, ...]) -> str:

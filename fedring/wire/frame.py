@@ -2,9 +2,15 @@
 
 Every message between agents and the coordinator is a `Frame`. On the wire it is a
 msgpack map with string keys and no extension types (see ARCHITECTURE.md, "Wire
-frames"). `decode_frame` checks size, depth, lengths, field types, the body's
-sha256 and, when the job has a key, the HMAC, before anything else looks at it;
-every refusal is a `FrameError` with a `FrameReason`.
+frames"). `decode_frame` checks size, depth, lengths, field types and the body's
+sha256 before anything else looks at it; every refusal is a `FrameError` with a
+`FrameReason`.
+
+A keyed job's frames are sealed (version 3, `fedring.wire.seal`): the same map
+without the ``sha256`` and ``mac`` fields, whose ``body`` is the body encrypted
+and followed by a 16-byte tag over the canonical header and the body. Only an
+unkeyed job's frames (and the enrolment manifest that hands the key out) travel
+in the clear, as version 1.
 
 Run `python -m fedring.wire.frame` to print an encoded example.
 """
@@ -19,13 +25,14 @@ from typing import Any
 import msgpack
 
 from fedring.wire.errors import FrameError, FrameReason
-from fedring.wire.integrity import DIGEST_BYTES, mac, mac_ok, sha256
+from fedring.wire.integrity import DIGEST_BYTES, sha256
+from fedring.wire.seal import SEALED_VERSION, open_sealed, seal
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 1  # in the clear; a keyed job's frames are SEALED_VERSION
 KINDS = frozenset({"hello", "manifest", "chunk", "model", "shard", "metrics", "ack", "nack", "bye"})
-_REQUIRED = ("v", "t", "job", "src", "dst", "seq", "body", "sha256")
+_REQUIRED = ("v", "t", "job", "src", "dst", "seq", "body")  # and, in the clear, "sha256"
 _OPTIONAL = ("round", "step", "phase", "part", "meta", "mac")
-_KNOWN = frozenset(_REQUIRED + _OPTIONAL)
+_KNOWN = frozenset((*_REQUIRED, "sha256", *_OPTIONAL))
 _MAX_ID_LEN = 128  # job, src, dst and phase strings
 _MAX_COUNTER = 2**63 - 1
 
@@ -77,11 +84,11 @@ class Frame:
         return dataclasses.replace(self, **changes)
 
 
-def _header(frame: Frame, digest: bytes) -> dict[str, Any]:
-    # The canonical header: the MAC is computed over exactly these bytes, rebuilt
+def _header(frame: Frame, digest: bytes | None) -> dict[str, Any]:
+    # The canonical header: a sealed frame's tag covers exactly these bytes, rebuilt
     # from the validated Frame on both sides, so encoder quirks cannot matter.
-    return {
-        "v": PROTOCOL_VERSION,
+    header = {
+        "v": PROTOCOL_VERSION if digest is not None else SEALED_VERSION,
         "t": frame.kind,
         "job": frame.job,
         "round": frame.round,
@@ -92,19 +99,20 @@ def _header(frame: Frame, digest: bytes) -> dict[str, Any]:
         "seq": frame.seq,
         "part": list(frame.part),
         "meta": dict(frame.meta),
-        "sha256": digest,
     }
+    if digest is not None:
+        header["sha256"] = digest
+    return header
 
 
 def encode_frame(frame: Frame, key: bytes | None = None) -> bytes:
-    """Encode `frame`; with `key`, append an HMAC-SHA256 of the header."""
-    digest = sha256(frame.body)
-    header = _header(frame, digest)
-    wire = dict(header)
-    wire["body"] = frame.body
-    if key is not None:
-        wire["mac"] = mac(key, msgpack.packb(header, use_bin_type=True))
-    return msgpack.packb(wire, use_bin_type=True)
+    """Encode `frame`; with `key` (a keyed job), its body sealed under the header."""
+    if key is None:
+        wire = {**_header(frame, sha256(frame.body)), "body": frame.body}
+        return msgpack.packb(wire, use_bin_type=True)
+    header = _header(frame, None)
+    ad = msgpack.packb(header, use_bin_type=True)
+    return msgpack.packb({**header, "body": seal(key, ad, frame.body)}, use_bin_type=True)
 
 
 def decode_frame(data: bytes, key: bytes | None = None, limits: FrameLimits | None = None) -> Frame:
@@ -114,18 +122,24 @@ def decode_frame(data: bytes, key: bytes | None = None, limits: FrameLimits | No
         raise FrameError(
             FrameReason.OVERSIZE, f"frame of {len(data)} bytes > {limits.max_frame_bytes}"
         )
-    if data[:1] == b"\x02":  # see `fedring.wire.compact`
+    if data[:1] in (b"\x02", b"\x03"):  # see `fedring.wire.compact`
         raise FrameError(
-            FrameReason.BAD_VERSION, f"v=2 (a compact frame), this side speaks {PROTOCOL_VERSION}"
+            FrameReason.BAD_VERSION,
+            f"v={data[0]} (a compact frame), this side speaks {PROTOCOL_VERSION} and "
+            f"{SEALED_VERSION}",
         )
     raw = unpack_bounded(data, limits)
     check_shape(raw, limits.max_depth)
     frame, digest, tag = _fields(raw, limits)
+    what = f"frame seq={frame.seq} from {frame.src!r}"
+    if digest is None:  # sealed
+        if key is None:
+            raise FrameError(FrameReason.BAD_MAC, f"{what} is sealed but this job has no key")
+        ad = msgpack.packb(_header(frame, None), use_bin_type=True)
+        return frame.replace(body=open_sealed(key, ad, frame.body, what))
     if sha256(frame.body) != digest:
-        raise FrameError(
-            FrameReason.BAD_SHA256, f"body of frame seq={frame.seq} from {frame.src!r}"
-        )
-    _check_mac(frame, digest, tag, key)
+        raise FrameError(FrameReason.BAD_SHA256, f"body of {what}")
+    _check_clear(what, tag, key)
     return frame
 
 
@@ -195,7 +209,8 @@ def check_shape(value: Any, max_depth: int) -> None:
             stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
 
 
-def _fields(raw: dict[str, Any], limits: FrameLimits) -> tuple[Frame, bytes, bytes | None]:
+def _fields(raw: dict[str, Any], limits: FrameLimits) -> tuple[Frame, bytes | None, bytes | None]:
+    """The frame (its body as on the wire), its digest (None: sealed) and its MAC."""
     unknown = set(raw) - _KNOWN
     if unknown:
         raise FrameError(FrameReason.UNKNOWN_FIELD, f"unknown field {sorted(unknown)[0]!r}")
@@ -203,14 +218,23 @@ def _fields(raw: dict[str, Any], limits: FrameLimits) -> tuple[Frame, bytes, byt
     if missing:
         raise FrameError(FrameReason.MISSING_FIELD, f"field {missing[0]!r} is missing")
     version = raw["v"]
-    if type(version) is not int or version != PROTOCOL_VERSION:
+    if type(version) is not int or version not in (PROTOCOL_VERSION, SEALED_VERSION):
         raise FrameError(
-            FrameReason.BAD_VERSION, f"v={version!r}, this side speaks {PROTOCOL_VERSION}"
+            FrameReason.BAD_VERSION,
+            f"v={version!r}, this side speaks {PROTOCOL_VERSION} and {SEALED_VERSION}",
         )
     if not isinstance(raw["t"], str) or raw["t"] not in KINDS:
         raise FrameError(FrameReason.BAD_KIND, f"t={raw['t']!r}")
-    digest = _bytes(raw, "sha256", DIGEST_BYTES)
-    tag = _bytes(raw, "mac", DIGEST_BYTES) if "mac" in raw else None
+    digest = tag = None
+    if version == SEALED_VERSION:
+        if "sha256" in raw or "mac" in raw:  # the seal's tag covers the body and header
+            name = "sha256" if "sha256" in raw else "mac"
+            raise FrameError(FrameReason.UNKNOWN_FIELD, f"field {name!r} in a sealed frame")
+    elif "sha256" not in raw:
+        raise FrameError(FrameReason.MISSING_FIELD, "field 'sha256' is missing")
+    else:
+        digest = _bytes(raw, "sha256", DIGEST_BYTES)
+        tag = _bytes(raw, "mac", DIGEST_BYTES) if "mac" in raw else None
     part = raw.get("part", [0, 1])
     if not (
         isinstance(part, list)
@@ -265,18 +289,16 @@ def _bytes(raw: dict[str, Any], name: str, size: int) -> bytes:
     return value
 
 
-def _check_mac(frame: Frame, digest: bytes, tag: bytes | None, key: bytes | None) -> None:
-    if key is None:
-        if tag is not None:
-            raise FrameError(FrameReason.BAD_MAC, "frame carries a MAC but this job has no key")
-        return
-    if tag is None:
+def _check_clear(what: str, tag: bytes | None, key: bytes | None) -> None:
+    """A frame in the clear is taken only where the job has no key."""
+    if tag is not None:  # signed with an HMAC, as keyed frames were before sealing
         raise FrameError(
-            FrameReason.BAD_MAC, f"frame seq={frame.seq} from {frame.src!r} has no MAC"
+            FrameReason.BAD_VERSION,
+            f"{what} is signed with an HMAC (v={PROTOCOL_VERSION}): a keyed job's frames "
+            f"are sealed (v={SEALED_VERSION})",
         )
-    header = msgpack.packb(_header(frame, digest), use_bin_type=True)
-    if not mac_ok(key, header, tag):
-        raise FrameError(FrameReason.BAD_MAC, f"MAC of frame seq={frame.seq} from {frame.src!r}")
+    if key is not None:
+        raise FrameError(FrameReason.BAD_MAC, f"{what} is not sealed but this job has a key")
 
 
 if __name__ == "__main__":

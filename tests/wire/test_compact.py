@@ -1,8 +1,9 @@
 """Compact frames (`fedring.wire.compact`): size, round trips, one test per refusal, fuzz.
 
-The header bound is the issue's acceptance line: at most 64 bytes before the body
-for the ring's and the gather's frames, measured on encoded frames with counters
-and a bucket phase as large as long jobs use.
+The header bound is the issue's acceptance line: at most 64 bytes besides the body
+(header and tag) for the ring's and the gather's frames, measured on encoded frames
+with counters and a bucket phase as large as long jobs use. A keyed job's frames
+are sealed (version 3): `tests/wire/test_seal.py` checks what the seal hides.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fedring.wire.chunks import Reassembler, split_payload
 from fedring.wire.compact import (
     COMPACT_VERSION,
     KEYED,
+    SEALED_VERSION,
     SPLIT,
     TAG_BYTES,
     context,
@@ -35,6 +37,7 @@ from fedring.wire.compact import (
 )
 from fedring.wire.errors import FrameError, FrameReason
 from fedring.wire.frame import Frame, FrameLimits, decode_frame, encode_frame
+from fedring.wire.seal import SEAL_TAG_BYTES, seal
 
 KEY = b"job-key"
 SMALL = FrameLimits(max_frame_bytes=8192)
@@ -94,8 +97,8 @@ def test_ring_and_gather_headers_are_at_most_64_bytes(
         data = encode_compact(frame, key)
         assert header_bytes(data) == len(data) - len(frame.body)
         assert header_bytes(data) <= 64, (type(payload).__name__, header_bytes(data))
-        v1 = len(encode_frame(frame, key)) - len(frame.body)
-        assert v1 > 3 * header_bytes(data)  # what the version-1 envelope cost
+        v1 = len(encode_frame(frame)) - len(frame.body)
+        assert v1 > 3 * header_bytes(data)  # what the version-1 envelope costs
 
 
 def test_a_part_of_a_split_payload_adds_its_part_fields() -> None:
@@ -173,23 +176,32 @@ GOOD = encode_compact(frame_of(GroupTopK(100, 5, "fp16").compress(_x(1000))), KE
 GOOD_NO_KEY = encode_compact(frame_of(GroupTopK(100, 5, "fp16").compress(_x(1000))))
 
 
-def forge(fields: Any, flags: int = KEYED, key: bytes | None = KEY, body: bytes = b"") -> bytes:
-    """A frame with a valid tag around whatever `fields` say: a peer holding the key."""
+def forge(fields: Any, flags: int = 0, key: bytes | None = KEY, body: bytes = b"") -> bytes:
+    """A frame with a valid seal around whatever `fields` say: a peer holding the key."""
     return forge_raw(msgpack.packb(fields, use_bin_type=True), flags, key, body)
 
 
-def forge_raw(
-    packed: bytes, flags: int = KEYED, key: bytes | None = KEY, body: bytes = b""
-) -> bytes:
+def forge_raw(packed: bytes, flags: int = 0, key: bytes | None = KEY, body: bytes = b"") -> bytes:
     ctx, route = context("sim", "agent-31", "agent-30")
-    head = struct.pack("<BB4sB", COMPACT_VERSION, flags, route, len(packed)) + packed
-    h = hmac.new(key, ctx, hashlib.sha256) if key is not None else hashlib.sha256(ctx)
-    h.update(head + body)
-    return head + h.digest()[:TAG_BYTES] + body
+    version = COMPACT_VERSION if key is None else SEALED_VERSION
+    head = struct.pack("<BB4sB", version, flags, route, len(packed)) + packed
+    if key is not None:
+        return head + seal(key, ctx + head, body)
+    return head + hashlib.sha256(ctx + head + body).digest()[:TAG_BYTES] + body
+
+
+def hmac_v2(fields: Any, key: bytes = KEY, body: bytes = b"x") -> bytes:
+    """A keyed frame as it was before sealing: version 2, an HMAC tag, the body in the clear."""
+    packed = msgpack.packb(fields, use_bin_type=True)
+    ctx, route = context("sim", "agent-31", "agent-30")
+    head = struct.pack("<BB4sB", COMPACT_VERSION, KEYED, route, len(packed)) + packed
+    tag = hmac.new(key, ctx + head + body, hashlib.sha256).digest()[:TAG_BYTES]
+    return head + tag + body
 
 
 def test_a_forged_good_frame_is_accepted() -> None:  # the forge helper itself is right
     assert decode(forge([1, 2, 3, "rs", 0], body=b"x")).body == b"x"
+    assert decode(forge([1, 2, 3, "rs", 0], key=None, body=b"x"), None).body == b"x"
 
 
 @pytest.mark.parametrize("cut", [0, 1, 6, 7, 20, -len(GOOD) + header_bytes(GOOD) - 1])
@@ -208,10 +220,21 @@ def test_bad_version() -> None:
     assert reason_of(v1) is FrameReason.BAD_VERSION
     with pytest.raises(FrameError, match="version-1"):
         decode(v1)
-    assert reason_of(b"\x03" + GOOD[1:]) is FrameReason.BAD_VERSION
-    with pytest.raises(FrameError) as info:  # and the version-1 decoder refuses ours
-        decode_frame(GOOD, KEY)
-    assert info.value.reason is FrameReason.BAD_VERSION
+    assert reason_of(b"\x04" + GOOD[1:]) is FrameReason.BAD_VERSION
+    for ours in (GOOD, GOOD_NO_KEY):  # and the version-1 decoder refuses ours
+        with pytest.raises(FrameError) as info:
+            decode_frame(ours, KEY)
+        assert info.value.reason is FrameReason.BAD_VERSION
+
+
+@pytest.mark.parametrize("key", [KEY, None], ids=["key", "no-key"])
+def test_a_keyed_frame_from_before_sealing_is_refused_by_version(key: bytes | None) -> None:
+    """Version 2 with an HMAC carried a keyed job's body in the clear: refused, and the
+    reason says what changed, whether or not this side holds the key."""
+    old = hmac_v2([1, 2, 3, "rs", 0])
+    assert reason_of(old, key) is FrameReason.BAD_VERSION
+    with pytest.raises(FrameError, match="sealed"):
+        decode(old, key)
 
 
 def test_unknown_flags() -> None:
@@ -235,19 +258,21 @@ def test_broadcast_dst_is_accepted() -> None:
 
 
 def test_bad_mac() -> None:
-    assert reason_of(GOOD, b"other-key") is FrameReason.BAD_MAC
-    assert reason_of(GOOD_NO_KEY, KEY) is FrameReason.BAD_MAC  # no MAC where one is due
-    assert reason_of(GOOD, None) is FrameReason.BAD_MAC  # a MAC where the job has no key
+    assert reason_of(GOOD, b"other-key") is FrameReason.BAD_MAC  # does not open
+    assert reason_of(GOOD_NO_KEY, KEY) is FrameReason.BAD_MAC  # no seal where one is due
+    assert reason_of(GOOD, None) is FrameReason.BAD_MAC  # a seal where the job has no key
 
 
-@pytest.mark.parametrize("where", ["fields", "tag", "body"])
+@pytest.mark.parametrize("where", ["prefix", "fields", "tag", "body"])
 def test_any_changed_byte_fails_the_tag(where: str) -> None:
-    end = header_bytes(GOOD) - TAG_BYTES
-    at = {"fields": end - 3, "tag": end + 2, "body": len(GOOD) - 5}[where]
-    for data, key, reason in ((GOOD, KEY, FrameReason.BAD_MAC),
-                              (GOOD_NO_KEY, None, FrameReason.BAD_SHA256)):  # fmt: skip
+    cases = ((GOOD, KEY, FrameReason.BAD_MAC, SEAL_TAG_BYTES),
+             (GOOD_NO_KEY, None, FrameReason.BAD_SHA256, TAG_BYTES))  # fmt: skip
+    for data, key, reason, tag in cases:
+        end = header_bytes(data) - tag  # sealed: header, body, tag; clear: header, tag, body
+        tag_at, body_at = (len(data) - 5, end + 2) if key else (end + 2, len(data) - 5)
+        at = {"prefix": 6, "fields": end - 3, "tag": tag_at, "body": body_at}[where]
         bad = bytearray(data)
-        bad[at] ^= 0x10
+        bad[at] ^= 0x01  # at "prefix": the fields' length, one off
         assert reason_of(bytes(bad), key) is reason
 
 
@@ -291,12 +316,12 @@ def test_too_deep_and_trailing_fields() -> None:
     ids=str,
 )
 def test_bad_part(part: list[Any]) -> None:
-    assert reason_of(forge([3, 0, 0, "rs", *part, 0], flags=KEYED | SPLIT)) is FrameReason.BAD_PART
+    assert reason_of(forge([3, 0, 0, "rs", *part, 0], flags=SPLIT)) is FrameReason.BAD_PART
 
 
 def test_seq_below_its_part_index_is_refused() -> None:
     fields = [1, 0, 0, "rs", 3, 4, b"d" * 8, 0]
-    assert reason_of(forge(fields, flags=KEYED | SPLIT)) is FrameReason.BAD_PART
+    assert reason_of(forge(fields, flags=SPLIT)) is FrameReason.BAD_PART
 
 
 def test_encoder_refuses_what_it_cannot_say() -> None:

@@ -125,9 +125,13 @@ def test_frame_round_trip_defaults() -> None:
     assert decode_frame(encode_frame(frame)) == frame
 
 
-def test_mac_is_only_appended_with_key() -> None:
-    assert "mac" not in raw_of(encode_frame(sample_frame()))
-    assert len(raw_of(encode_frame(sample_frame(), KEY))["mac"]) == 32
+def test_a_keyed_frame_is_sealed_and_an_unkeyed_one_is_clear() -> None:
+    clear = raw_of(encode_frame(sample_frame()))
+    assert clear["v"] == 1 and clear["body"] == sample_frame().body and "mac" not in clear
+    sealed = raw_of(encode_frame(sample_frame(), KEY))
+    assert sealed["v"] == 3 and "mac" not in sealed and "sha256" not in sealed
+    assert len(sealed["body"]) == len(sample_frame().body) + 16  # the tag
+    assert sample_frame().body[:64] not in sealed["body"]
 
 
 @pytest.mark.parametrize("key", [None, KEY], ids=["no-key", "key"])
@@ -250,17 +254,33 @@ def test_bad_mac_header_tampered(field: str, value: Any) -> None:
     assert_reason(pack(raw), FrameReason.BAD_MAC, KEY)
 
 
-def test_bad_mac_body_swapped_with_matching_sha() -> None:
-    # A forger recomputes the body's sha256, but the MAC binds the digest.
+@pytest.mark.parametrize("body", [b"forged", b"forged" + bytes(16), b""])
+def test_bad_mac_sealed_body_swapped(body: bytes) -> None:
     raw = raw_of(encode_frame(sample_frame(), KEY))
-    raw["body"] = b"forged"
-    raw["sha256"] = sha256(b"forged")
-    assert_reason(pack(raw), FrameReason.BAD_MAC, KEY)
+    raw["body"] = body
+    reason = FrameReason.TRUNCATED if len(body) < 16 else FrameReason.BAD_MAC
+    assert_reason(pack(raw), reason, KEY)
+
+
+@pytest.mark.parametrize("name, value", [("sha256", bytes(32)), ("mac", bytes(32))])
+def test_a_digest_or_mac_in_a_sealed_frame_is_refused(name: str, value: bytes) -> None:
+    raw = raw_of(encode_frame(sample_frame(), KEY))
+    raw[name] = value
+    assert_reason(pack(raw), FrameReason.UNKNOWN_FIELD, KEY)
+
+
+@pytest.mark.parametrize("key", [KEY, None], ids=["key", "no-key"])
+def test_a_frame_signed_as_before_sealing_is_refused_by_version(key: bytes | None) -> None:
+    """Version 1 with an HMAC carried a keyed job's body in the clear."""
+    raw = raw_of(encode_frame(sample_frame()))
+    raw["mac"] = bytes(32)
+    assert "sealed" in str(reject(pack(raw), key))
+    assert_reason(pack(raw), FrameReason.BAD_VERSION, key)
 
 
 @pytest.mark.parametrize("tag", [b"\x00" * 31, "x" * 32, None])
 def test_bad_mac_malformed_tag(tag: Any) -> None:
-    raw = raw_of(encode_frame(sample_frame(), KEY))
+    raw = raw_of(encode_frame(sample_frame()))
     raw["mac"] = tag
     assert_reason(pack(raw), FrameReason.BAD_MAC, KEY)
 

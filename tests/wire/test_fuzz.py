@@ -465,9 +465,9 @@ def test_type_offsets_cover_a_frame() -> None:
     frame = Frame(kind="chunk", job="j", src="a", dst="b", seq=300, meta=meta, body=b"\x00" * 300)
     data = encode_frame(frame, KEY)
     offsets = type_offsets(data)
-    assert offsets[0] == 0 and data[0] == 0x8E  # 14 fields with the mac
-    # the map, 14 keys and values, 2 part items, meta's key and value, 3 list items
-    assert len(offsets) == 1 + 2 * 14 + 2 + 2 + 3
+    assert offsets[0] == 0 and data[0] == 0x8C  # 12 fields: sealed, no sha256, no mac
+    # the map, 12 keys and values, 2 part items, meta's key and value, 3 list items
+    assert len(offsets) == 1 + 2 * 12 + 2 + 2 + 3
 
 
 def test_mutators_change_and_stay_deterministic() -> None:
