@@ -10,6 +10,7 @@ would show in ``ps``). Exit codes: 0 done, 1 failed run, 2 bad input.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -194,11 +195,14 @@ def coordinator_run(
     """Enrol agents, shard the data, run the rounds, checkpoint every round, report."""
     from fedring.config import JobSpec
     from fedring.coordinator.checkpoint import CheckpointError
+    from fedring.coordinator.lease import CoordinatorBusy, check_broker, lock_folder
     from fedring.coordinator.pipeline import PipelineCoordinator
     from fedring.coordinator.service import Coordinator, CoordinatorError, Options
     from fedring.transport.mqtt import BrokerRefused, BrokerUnreachable
 
     cfg = broker_config(broker, username, password_file, ca, cert, key, keepalive)
+    # --enrol-timeout bounds the wait for the broker too (a refused one fails at once)
+    cfg = dataclasses.replace(cfg, connect_timeout_s=min(cfg.connect_timeout_s, enrol_timeout))
     try:
         spec = JobSpec.from_toml(job_file)
         if pipeline_stages:
@@ -206,7 +210,13 @@ def coordinator_run(
     except ValueError as exc:
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
-    with Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
+    try:  # one job, one coordinator: the folder first, then the broker's coordinator id
+        lock = lock_folder(out)
+        check_broker(cfg)
+    except (CoordinatorBusy, BrokerUnreachable, BrokerRefused) as exc:
+        err.print(f"[red]error: {escape(str(exc))}[/red]")
+        raise typer.Exit(1) from None
+    with lock, Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
         task = progress.add_task(
             f"waiting for {min_agents or spec.agents} agents", total=spec.rounds
         )

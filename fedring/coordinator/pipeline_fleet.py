@@ -102,6 +102,8 @@ class StageFleet:
 
     def next(self, timeout: float) -> Control | None:
         """The next control item (hellos are taken in on the way), or None."""
+        if self.link.taken_over:  # another coordinator holds the id (`coordinator.lease`)
+            raise CoordinatorError(f"one broker runs one coordinator: {self.link.taken_over}")
         try:
             item = self.link.control.get(timeout=timeout)
         except queue.Empty:

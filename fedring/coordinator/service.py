@@ -626,6 +626,8 @@ class Coordinator:
 
     def _next(self, timeout: float) -> Control | None:
         assert self.link is not None
+        if self.link.taken_over:  # another coordinator holds the id: fighting it helps nobody
+            raise CoordinatorError(f"one broker runs one coordinator: {self.link.taken_over}")
         try:
             item = self.link.control.get(timeout=timeout)
         except queue.Empty:

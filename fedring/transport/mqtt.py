@@ -320,6 +320,7 @@ class MqttLink:
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
         client.on_log = self._on_log
+        client.message_callback_add(topics.status(self.me), self._on_own_status)  # issue 27
         self._client = client
         self._connack_ready.clear()
         props = None
@@ -353,6 +354,42 @@ class MqttLink:
                 raise BrokerTlsError(f"broker {self.cfg.url}: {reason}{self._tls_hint(reason)}")
             who = f" as user {self.cfg.username!r}" if self.cfg.username else " anonymously"
             raise BrokerRefused(f"broker {self.cfg.url} refused {self.me!r}{who}: {reason}")
+
+    # -- one process per id (issue 27) --------------------------------------------
+
+    taken_over = ""  # why this link stepped back for another holder of its id ("": never)
+
+    def _on_own_status(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        """Our presence as the broker retained it when we (re)subscribed: "online" under
+        another session means another process connected with our id and holds it (the
+        broker handed it our session). Step back: two holders would take the session
+        from each other at every reconnect, for as long as both live. Its presence is
+        put back as it was and we leave without a will; the owner reads `taken_over`."""
+        try:
+            if not msg.retain or self._closed or len(msg.payload) > _MAX_STATUS_BYTES:
+                return
+            try:
+                doc = json.loads(msg.payload)
+            except ValueError:
+                return
+            if not isinstance(doc, dict) or doc.get("state") != "online":
+                return
+            session = str(doc.get("session", ""))
+            if session in ("", self.session):
+                return
+            self.taken_over = (
+                f"another process holds the id {self.me!r} at {self.cfg.url} (session "
+                f"{session}); this one ({self.session}) stepped back"
+            )
+            log.error("%s", self.taken_over)
+            self.counters.add("id_taken_over")
+            self._closed = True
+            self._stop_beats.set()
+            client.publish(msg.topic, msg.payload, qos=1, retain=True)
+            client.disconnect()
+        except Exception:  # a callback that raises would stop paho's network loop
+            self.counters.add("mqtt_callback_error")
+            log.exception("%s: error reading its own presence", self.me)
 
     def _tls_set(self, client: mqtt.Client) -> None:
         for option, path in (("--ca", self.cfg.ca), ("--cert", self.cfg.cert),

@@ -1,0 +1,96 @@
+"""One job, one coordinator: the output folder's lock and the broker's coordinator id.
+
+Every coordinator connects under the one id ``coordinator``, so a second one at a
+broker takes the first's MQTT session, the first reconnects and takes it back, and
+both go on for as long as they live (issue 27: a stale coordinator and a
+``--resume`` one did so for 4 minutes, both writing one output folder). Three
+guards, from the cheapest:
+
+- `lock_folder`: an exclusive ``flock`` on ``OUT/.coordinator.lock``, held for the
+  process's life (the kernel drops it when the process dies, however it dies). The
+  file names the holder's pid for the refusal message.
+- `check_broker`: before connecting, the coordinator's retained presence is read
+  under a throwaway client id; "online" means a live coordinator holds the id (its
+  last-will turns it to "lost" when it dies). A broker that binds client ids to
+  user names (``use_username_as_clientid``, as docs/deploy.md sets up) allows no
+  such peek under the coordinator's own user: the link's own check covers that case.
+- The link (`MqttLink.taken_over`): after a reconnect, a presence "online" under
+  another session means another process took the id while this one was away; this
+  one stops, without a goodbye (its "offline" would overwrite the holder's presence).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedring.rendezvous import online_status
+from fedring.transport import topics
+from fedring.transport.mqtt import BrokerConfig
+
+LOCK_FILE = ".coordinator.lock"
+
+
+class CoordinatorBusy(RuntimeError):
+    """Another coordinator holds this output folder or this broker's coordinator id."""
+
+
+@dataclass
+class FolderLock:
+    """An exclusive lock on an output folder; released by `release` or the process's exit."""
+
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the last descriptor drops the flock
+            self.fd = -1
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
+def lock_folder(out: Path) -> FolderLock:
+    """Lock `out` for this process, or raise `CoordinatorBusy` naming the holder's pid."""
+    path = out / LOCK_FILE
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise CoordinatorBusy(f"cannot use the output folder {out}: {exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+            raise CoordinatorBusy(f"cannot lock the output folder {out}: {exc}") from None
+        raise CoordinatorBusy(
+            f"the output folder {out} is in use by another coordinator (pid {holder}); "
+            "one job has one coordinator: stop that one first, or give another --out"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return FolderLock(path, fd)
+
+
+def check_broker(cfg: BrokerConfig) -> None:
+    """Raise `CoordinatorBusy` if a coordinator is online at `cfg`'s broker (a crashed
+    one counts once the broker sends its will: within 1.5 keep-alives)."""
+    holder = online_status(cfg, topics.COORDINATOR)
+    if holder is None:
+        return
+    job = f", job {holder['job']!r}" if holder.get("job") else ""
+    raise CoordinatorBusy(
+        f"a coordinator is already online at {cfg.url} (session {holder.get('session', '?')}"
+        f"{job}): a broker runs one coordinator at a time, under the id "
+        f"{topics.COORDINATOR!r}; stop it first (if it has just died, the broker marks it "
+        "lost within 1.5 keep-alives: try again then)"
+    )
