@@ -229,6 +229,10 @@ class _Inbox(queue.Queue[_Item], Generic[_Item]):
         return item
 
 
+# A refused connection is retried this long (a broker starting up), then reported.
+REFUSED_RETRY_S = 1.0
+
+
 class MqttLink:
     """One identity's connection to the broker."""
 
@@ -328,18 +332,30 @@ class MqttLink:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.cfg.session_expiry_s
         where = (self.cfg.host, self.cfg.port)
-        try:
-            if self.cfg.tls:  # the handshake happens here, where its error can be named
+        # A refused connection is answered at once: retry it briefly (a broker starting
+        # up), then say so, rather than wait out connect_timeout_s (issue 27).
+        refused_until = Deadline.after(min(REFUSED_RETRY_S, self.cfg.connect_timeout_s))
+        pause = 0.1
+        while True:
+            try:  # TCP (and the TLS handshake) here, where their errors can be named
                 client.connect(*where, keepalive=self.cfg.keepalive, properties=props)
-            else:
+            except ssl.SSLError as exc:
+                raise BrokerTlsError(f"TLS handshake with broker {self.cfg.url} failed: {exc}"
+                                     f"{self._tls_hint(str(exc))}") from None  # fmt: skip
+            except ConnectionRefusedError as exc:
+                if refused_until.expired:
+                    raise BrokerUnreachable(
+                        f"broker {self.cfg.url} refused the connection ({exc}): is mosquitto "
+                        "running, and is the host and port right?"
+                    ) from None
+                time.sleep(min(pause * (1 + random.random()), refused_until.remaining()))
+                pause *= 2
+                continue
+            except OSError:  # no route or no answer yet: paho retries until our deadline
                 client.connect_async(*where, keepalive=self.cfg.keepalive, properties=props)
-        except ssl.SSLError as exc:
-            raise BrokerTlsError(f"TLS handshake with broker {self.cfg.url} failed: {exc}"
-                                 f"{self._tls_hint(str(exc))}") from None  # fmt: skip
-        except OSError:  # not listening yet: paho retries until our deadline
-            client.connect_async(*where, keepalive=self.cfg.keepalive, properties=props)
-        except ValueError as exc:
-            raise BrokerUnreachable(f"broker {self.cfg.url}: {exc}") from exc
+            except ValueError as exc:
+                raise BrokerUnreachable(f"broker {self.cfg.url}: {exc}") from exc
+            break
         client.loop_start()
         if not self._connack_ready.wait(self.cfg.connect_timeout_s):
             self._stop_client()
