@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -51,6 +50,8 @@ from fedring.engine.group import Group
 from fedring.transport import topics
 from fedring.transport.base import Deadline
 from fedring.transport.mqtt import BrokerConfig, BrokerRefused, BrokerUnreachable, MqttLink
+from fedring.wire.errors import FrameError
+from fedring.wire.jsondoc import parse_document
 
 log = logging.getLogger(__name__)
 
@@ -280,9 +281,10 @@ def online_status(cfg: BrokerConfig, agent: str) -> dict[str, Any] | None:
         raise BrokerRefused(f"broker {cfg.url} refused {agent!r}{who}: {refused[0]}")
     for payload in seen:
         try:
-            doc = json.loads(payload)
-        except ValueError:
+            doc = parse_document(payload, what="status")
+        except FrameError as exc:
+            log.warning("the retained status of %r is unreadable: %s", agent, exc)
             continue
-        if isinstance(doc, dict) and doc.get("state") == "online":
+        if doc.get("state") == "online":
             return doc
     return None

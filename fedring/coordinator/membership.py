@@ -22,7 +22,11 @@ def number(value: Any) -> float:
     """A figure an agent announced (hello, ack): finite and >= 0, else 0 (unknown)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return 0.0
-    return float(value) if math.isfinite(value) and value >= 0 else 0.0
+    try:
+        figure = float(value)
+    except OverflowError:  # an int beyond any float: the wire refuses those, others may not
+        return 0.0
+    return figure if math.isfinite(figure) and figure >= 0 else 0.0
 
 
 @dataclass

@@ -113,6 +113,9 @@ class StageFleet:
             msg = codec.decode(item.src, item.data)
             if msg is not None and msg.kind == "hello":
                 self.hellos[item.src] = msg.doc
+            elif msg is not None:
+                self.counters.add("frame_unexpected")
+                log.warning("a %r frame on the hello topic of %r, refused", msg.kind, item.src)
         return item
 
     def decode(self, item: Control) -> ControlMessage | None:

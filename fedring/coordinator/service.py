@@ -566,8 +566,11 @@ class Coordinator:
             "bytes_sent_by_coordinator": self.link.stats.bytes_sent,
             "centre_rounds": self.centre.served if self.centre is not None else 0,
             "lost": sorted(ep.gone),
-            "agent_bytes": {
-                a: {"ring": d.get("ring_bytes_sent", 0), "link": d.get("link_bytes_sent", 0)}
+            "agent_bytes": {  # number(): summed below, where a member's string would raise
+                a: {
+                    "ring": int(number(d.get("ring_bytes_sent"))),
+                    "link": int(number(d.get("link_bytes_sent"))),
+                }
                 for a, d in ep.done.items()
             },
         }
@@ -647,6 +650,9 @@ class Coordinator:
             self.fleet.hellos.pop(item.src, None)  # an agent that left for good clears it
             return
         msg = ControlCodec(topics.COORDINATOR, counters=self.counters).decode(item.src, item.data)
+        if msg is not None and msg.kind != "hello":
+            self.counters.add("frame_unexpected")
+            log.warning("a %r frame on the hello topic of %r, refused", msg.kind, item.src)
         if msg is None or msg.kind != "hello":
             return
         self.fleet.hellos[item.src] = msg.doc

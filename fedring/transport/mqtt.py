@@ -69,6 +69,7 @@ from fedring.transport.base import (
     TransportError,
     TransportTimeout,
 )
+from fedring.wire.jsondoc import parse_document
 
 log = logging.getLogger(__name__)
 
@@ -583,7 +584,7 @@ class MqttLink:
         state, session, job = "offline", "", ""
         if payload and len(payload) <= _MAX_STATUS_BYTES:
             try:
-                doc = json.loads(payload)
+                doc = parse_document(payload, max_bytes=_MAX_STATUS_BYTES, what="status")
                 state, session = str(doc.get("state", "offline")), str(doc.get("session", ""))
                 job = str(doc.get("job", ""))
             except (ValueError, AttributeError):
