@@ -183,6 +183,7 @@ class AgentDaemon:
             self._halt(f"coordinator said {why!r} (epoch {epoch})")
             if why == "done":
                 self._join()
+                self._leave_job()
                 self.worker, self.awaiting = None, None
                 self.jobs_done += 1
 
@@ -204,6 +205,10 @@ class AgentDaemon:
                 raise JobRefused(f"{self.me} is not rank {doc['rank']} of the ring: "
                                  f"{doc['peers']}")  # fmt: skip
             if self.worker is None or self.worker.job != seg.job:
+                self._leave_job()  # a new job: the old one's frames are flood from now on
+                assert self.link is not None
+                # The baseline is the moment the link joined: set-up-time drops are this job's.
+                self.counters_at_job = self.link.counters_since(seg.job) or self.counters.snapshot()
                 spec = JobSpec.from_mapping(doc["spec"])
                 self.worker = JobWorker(
                     self.me, seg.job, spec, int(doc["shard"]), doc["shard_entry"],
@@ -322,6 +327,14 @@ class AgentDaemon:
         log.info("%s: epoch %d, rank %d of %d, from round %d", self.me, seg.epoch,
                  seg.members.index(self.me), len(seg.members), seg.start_round)  # fmt: skip
         run.thread.start()
+
+    def _leave_job(self) -> None:
+        """Unsubscribe from the current job's topics (its star's too): an agent holds
+        only the frames of the job it is in."""
+        worker, link = self.worker, self.link
+        if worker is not None and link is not None:
+            link.leave(worker.job)
+            link.leave(topics.star(worker.job))
 
     def _job_counters(self) -> dict[str, int]:
         """What the counters gained since this job's first manifest (non-zero only)."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import random
@@ -80,6 +81,7 @@ _MAX_STATUS_BYTES = 1024
 BEATS_PER_KEEPALIVE = 3
 SILENT_AFTER = 1.25
 _WATCH_TICK_S = 0.25
+MIN_KEEPALIVE_S = 1.0  # a presence announcing less is taken at this: no instant "lost"
 
 
 class BrokerUnreachable(TransportError):
@@ -187,6 +189,7 @@ class _Presence:
     online: dict[str, str] = field(default_factory=dict)  # id -> session
     jobs: dict[str, str] = field(default_factory=dict)  # id -> the job its status names, or ""
     pending_lost: dict[str, str] = field(default_factory=dict)  # id -> session, unconfirmed
+    keepalive: dict[str, float] = field(default_factory=dict)  # id -> its announced keep-alive
 
 
 _Item = TypeVar("_Item", Delivery | MembershipEvent | tuple[str, Delivery], Control)
@@ -263,7 +266,10 @@ class MqttLink:
         # Jobs whose peer frames we hold: ours, those with an open endpoint, and those the
         # coordinator (whose sender level only it may write) has sent us a frame in.
         self._jobs: set[str] = set() if job is None else {job}
-        self._broadcasts: set[str] = set()  # jobs whose broadcasts the coordinator takes
+        # Jobs whose broadcasts we subscribe to: those we are in, never a wildcard, so a
+        # flood on another (or a finished) job's topics never reaches our link.
+        self._broadcasts: set[str] = set() if job is None else {job}
+        self._joined_at: dict[str, dict[str, int]] = {}  # job -> counters when we joined it
         self._reconnected_at = -float("inf")  # monotonic time of our latest reconnect
         self._control_from = frozenset(control_from)
         self._listen_hellos = listen_hellos
@@ -441,7 +447,8 @@ class MqttLink:
             self._connack_ready.set()
 
     def _status(self, state: str) -> bytes:
-        doc: dict[str, Any] = {"state": state, "session": self.session, "ts": time.time()}
+        doc: dict[str, Any] = {"state": state, "session": self.session, "ts": time.time(),
+                               "keepalive": self.cfg.keepalive}  # watchers' silence limit
         if self.job is not None:
             doc["job"] = self.job
         return json.dumps(doc).encode()
@@ -463,10 +470,7 @@ class MqttLink:
             with self._lock:
                 self._beats = {who: (s, now, lim) for who, (s, _t, lim) in self._beats.items()}
         client.subscribe([(t, 1) for t in subs])
-        # An agent subscribes to every job's broadcasts from the start, as to its inboxes:
-        # a member that opened its job's endpoint a moment after a faster one broadcast
-        # round 0 would otherwise miss it. Other jobs' broadcasts are dropped on arrival.
-        for job in ["+"] if not self._listen_hellos else list(self._broadcasts):
+        for job in list(self._broadcasts):
             self._subscribe_broadcasts(client, job)
         client.publish(topics.status(self.me), self._status("online"), qos=1, retain=True)
         if self._connack is not None and self._connack[0]:
@@ -526,8 +530,8 @@ class MqttLink:
             if private is not None:
                 self._offer(private, (job, Delivery(src, payload)), topic)
             elif src in self._control_from or "*" in self._control_from:
-                if src == topics.COORDINATOR:
-                    self._jobs.add(job)  # it puts us in the job: peers' frames follow
+                if src == topics.COORDINATOR and job not in self._jobs:
+                    self.join(job)  # it puts us in the job: peers' frames follow
                 self._offer(self.control, Control("frame", src, payload, job), topic)
             elif job not in self._jobs:
                 self._dropped("inbox_other_job", topic, len(payload))
@@ -581,12 +585,13 @@ class MqttLink:
     def _presence_changed(self, who: str, payload: bytes, retained: bool) -> None:
         if who == self.me:
             return
-        state, session, job = "offline", "", ""
+        state, session, job, keepalive = "offline", "", "", float(self.cfg.keepalive)
         if payload and len(payload) <= _MAX_STATUS_BYTES:
             try:
                 doc = parse_document(payload, max_bytes=_MAX_STATUS_BYTES, what="status")
                 state, session = str(doc.get("state", "offline")), str(doc.get("session", ""))
                 job = str(doc.get("job", ""))
+                keepalive = _announced_keepalive(doc.get("keepalive"), keepalive)
             except (ValueError, AttributeError):
                 self.counters.add("bad_status")
                 log.warning("%s: unreadable status from %s", self.me, who)
@@ -603,6 +608,7 @@ class MqttLink:
                     events.append(MembershipEvent("joined", who))
                     self._presence.online[who] = session
                     self._presence.jobs[who] = job
+                    self._presence.keepalive[who] = keepalive
             elif known is not None and (not session or session == known):
                 if state == "lost":  # confirmed later: a broker going down sends every will
                     self._presence.pending_lost[who] = session
@@ -649,20 +655,22 @@ class MqttLink:
                 self._check_silences(now)
 
     def _on_beat(self, who: str, payload: bytes) -> None:
-        """A beat is ``SESSION KEEPALIVE``: the peer's own keep-alive sets its limit.
+        """A beat is ``SESSION [KEEPALIVE]``; it counts only for the session the peer's
+        presence announced, and its silence limit is SILENT_AFTER x the keep-alive that
+        presence announced (never one a beat carries: one forged beat with a tiny
+        keep-alive would have a live peer taken for lost at once).
         A watcher hears its own beats too (it subscribes to every agent's): ignored."""
         if who == self.me:
             return
-        session, _, keepalive = payload[:64].decode("ascii", "replace").partition(" ")
-        try:
-            limit = SILENT_AFTER * float(keepalive)
-        except ValueError:
-            limit = 0.0
-        if not 0 < limit < 1e6:
-            self.counters.add("bad_beat")
-            return
+        session = payload[:64].decode("ascii", "replace").partition(" ")[0]
         events: list[MembershipEvent] = []
         with self._lock:
+            known = self._presence.online.get(who) or self._silent.get(who)
+            if not session or session != known:
+                self.counters.add("bad_beat")
+                return
+            keepalive = self._presence.keepalive.get(who, float(self.cfg.keepalive))
+            limit = SILENT_AFTER * keepalive
             self._beats[who] = (session, time.monotonic(), limit)
             if self._silent.get(who) == session and who not in self._presence.online:
                 del self._silent[who]  # it was hung, not dead: it is back as it was
@@ -798,13 +806,43 @@ class MqttLink:
             endpoint.inbox = _Inbox(self.cfg.max_inbox_items, self.cfg.max_inbox_bytes)
             # copied on write: paho's thread reads it without the lock
             self._private = {**self._private, endpoint.job: endpoint.inbox}
-        else:
-            self._jobs.add(endpoint.job)
-        if self._listen_hellos and endpoint.job not in self._broadcasts:
-            self._broadcasts.add(endpoint.job)  # (an agent's link holds every job's already)
-            if self._client is not None and self._connected.is_set():
-                self._subscribe_broadcasts(self._client, endpoint.job)  # else on (re)connect
+            self._hear_broadcasts(endpoint.job)
+        elif endpoint.job not in self._jobs:
+            self.join(endpoint.job)
         return endpoint
+
+    def join(self, job: str) -> None:
+        """Hold `job`'s frames from now on and subscribe to its broadcasts.
+
+        An agent joins when the coordinator's first frame in the job reaches it (on
+        paho's thread, before the manifest is even read), so its subscription is in
+        place long before a faster member, which must still load and verify its shard,
+        broadcasts round 0. The counters at this moment are the job's baseline
+        (`counters_since`): what is dropped while the job is set up is the job's."""
+        job = topics.check_id("job", job)
+        self._joined_at.setdefault(job, self.counters.snapshot())
+        self._jobs.add(job)
+        self._hear_broadcasts(job)
+
+    def leave(self, job: str) -> None:
+        """Forget a finished job: its frames, broadcasts included, are dropped from now on
+        (counted as ``inbox_other_job``), and the broker stops sending its broadcasts."""
+        self._jobs.discard(job)
+        self._joined_at.pop(job, None)
+        if job in self._broadcasts:
+            self._broadcasts.discard(job)
+            if self._client is not None:
+                self._client.unsubscribe(topics.job_broadcasts(job))
+
+    def counters_since(self, job: str) -> dict[str, int]:
+        """The counters when this link joined `job` (empty if it never did)."""
+        return dict(self._joined_at.get(job, {}))
+
+    def _hear_broadcasts(self, job: str) -> None:
+        if job not in self._broadcasts:
+            self._broadcasts.add(job)
+            if self._client is not None and self._connected.is_set():
+                self._subscribe_broadcasts(self._client, job)  # else on (re)connect
 
     @property
     def queued_bytes(self) -> int:
@@ -831,13 +869,17 @@ class MqttLink:
         self._client.loop_stop()
         # Also under MQTT 5: the broker may read a newcomer's CONNECT before our
         # DISCONNECT (seen under load); a clean connect that it answers leaves no doubt.
-        self._forget_session()
+        self._forget_session(self._status(state))
 
-    def _forget_session(self) -> None:
+    def _forget_session(self, goodbye: bytes) -> None:
         """The broker keeps a persistent session (and queues what its subscriptions match)
         until a clean-session connect with our id: make one, so that a clean goodbye
         leaves nothing behind (a crashed link's session is left to the broker's
-        ``persistent_client_expiration``)."""
+        ``persistent_client_expiration``).
+
+        If the broker reads this connect before our DISCONNECT, it takes the old
+        connection over and sends its will ("lost"): the clean session says `goodbye`
+        again, after the takeover, so the retained status is the goodbye."""
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fedring-{self.me}",
                              protocol=mqtt.MQTTv311, clean_session=True)  # fmt: skip
         if self.cfg.username is not None:
@@ -850,9 +892,11 @@ class MqttLink:
             client.connect(self.cfg.host, self.cfg.port, keepalive=self.cfg.keepalive)
             client.loop_start()
             if answered.wait(2.0):
+                info = client.publish(topics.status(self.me), goodbye, qos=1, retain=True)
+                info.wait_for_publish(2.0)
                 client.disconnect()
             client.loop_stop()
-        except (OSError, TransportError, ValueError) as exc:  # gone already: the expiry's job
+        except (OSError, RuntimeError, TransportError, ValueError) as exc:  # gone: the expiry's job
             log.info("%s: could not clear its broker session (%s)", self.me, exc)
 
     def kill(self) -> None:
@@ -921,6 +965,14 @@ class MqttEndpoint:
         link = self.link
         if self.inbox is not link._data:
             link._private = {j: q for j, q in link._private.items() if j != self.job}
+
+
+def _announced_keepalive(value: object, default: float) -> float:
+    """The keep-alive a peer's presence announces, within what a broker accepts
+    (1 s to 18 h; MQTT's own field is 16 bits); `default` if it announced none."""
+    if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
+        return default
+    return min(max(float(value), MIN_KEEPALIVE_S), 65535.0)  # type: ignore[arg-type]
 
 
 def _down_bps(size: int, piece: int, up_bps: float, seconds: float) -> float:
