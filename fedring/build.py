@@ -9,6 +9,7 @@ optimizer, the scaled and warmed-up learning rate, and a seeded sampler.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from fedring.aggregation.rules import Aggregation
 from fedring.config import JobSpec, SpecError
 from fedring.engine.centre import AsyncSettings, CentreSettings
+from fedring.engine.gate import Gate, Resolved
 from fedring.engine.group import Group
 from fedring.engine.loop import LoopSettings, Member
 from fedring.engine.lr import LinearScaling
@@ -29,36 +31,42 @@ from fedring.engine.reducer import Collective, Reducer, ReducerSettings
 from fedring.engine.resync import ResyncSettings, resync_every
 from fedring.engine.sampler import ShardSampler
 from fedring.engine.state import TrainerState
-from fedring.engine.task import ClassificationTask, Task, load_task
+from fedring.engine.task import Task
 from fedring.training.datasets import Dataset
 from fedring.training.lr import LrSchedule
 
 
-def task_of(
-    spec: JobSpec, data_dir: Any = None, allowed_modules: Iterable[str] | None = None
-) -> Task:
-    """The job's task: the user's (`spec.task`) or the built-in dataset + model.
+def resolve(
+    spec: JobSpec, data_dir: Path | None = None, allowed_modules: Iterable[str] | None = None
+) -> Resolved:
+    """The job's task (the user's `spec.task`, or the built-in dataset + model) and the
+    modules it was loaded from, through the gate (`engine.gate`).
 
-    A ``MODULE:ATTR`` task loads only if `MODULE` is in `allowed_modules`; `None`
-    means the spec is this process's own configuration (the coordinator's job file,
-    `fedring simulate`'s flags), so its module is allowed. Agents pass their own list.
-    `npz:` paths resolve under an agent's `data_dir`.
+    `allowed_modules` is an agent's own list: a ``MODULE:ATTR`` task or a
+    ``MODULE:FACTORY`` model loads only if MODULE is in it, and an ``npz:`` path only
+    if it lies under `data_dir`. `None` means the spec is this process's own
+    configuration (the coordinator's job file, `fedring simulate`'s flags): any module,
+    any path.
     """
-    if spec.task:
-        own = [spec.task.partition(":")[0]] if allowed_modules is None else allowed_modules
-        return load_task(spec.task, own)
-    data = spec.dataset
-    if data.startswith("npz:") and data_dir is not None:
-        data = f"npz:{data_dir / data[4:]}"
-    return ClassificationTask(data, spec.model)
+    gate = Gate.own(data_dir) if allowed_modules is None else Gate.agent(allowed_modules,
+                                                                          data_dir)  # fmt: skip
+    return gate.job(spec.task, spec.dataset, spec.model)
+
+
+def task_of(
+    spec: JobSpec, data_dir: Path | None = None, allowed_modules: Iterable[str] | None = None
+) -> Task:
+    """The job's task, as `resolve` loads it."""
+    return resolve(spec, data_dir, allowed_modules).task
 
 
 def plan(spec: JobSpec) -> Plan:
     """The coordinator's part for the job: shards, manifest, initial model."""
     weighted = Aggregation.parse(spec.aggregation).kind == "weighted"
+    job = resolve(spec)
     return plan_task(
-        task_of(spec), agents=spec.agents, sharding=spec.sharding, seed=spec.seed,
-        weight_cap=spec.weight_cap if weighted else None,
+        job.task, agents=spec.agents, sharding=spec.sharding, seed=spec.seed,
+        weight_cap=spec.weight_cap if weighted else None, sources=job.sources,
     )  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
 from fedring.edge_agent.stage import StageHost
 from fedring.edge_agent.worker import Halted, JobRefused, JobWorker, Segment
+from fedring.engine.gate import CodeRefused
 from fedring.firmware_profiles.apply import runtime_rss
 from fedring.firmware_profiles.schema import Profile
 from fedring.training.datasets import DatasetError
@@ -229,6 +230,8 @@ class AgentDaemon:
                 self.counters_at_job = self.counters.snapshot()  # bye reports this job's
         except (KeyError, TypeError, ValueError, SpecError, ShardError, DatasetError) as exc:
             self.counters.add("job_refused")
+            if isinstance(exc, CodeRefused):  # code or a path this agent does not allow
+                self.counters.add("code_refused")
             log.error("%s refused the job: %s", self.me, exc)
             self._send(msg.job, "nack", {"epoch": doc.get("epoch"), "why": f"refused: {exc}"})
             return

@@ -40,6 +40,7 @@ from fedring.collective.channel import CollectiveError, CollectiveTimeout, PeerC
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
 from fedring.edge_agent.worker import Halted, JobRefused
+from fedring.engine.gate import CodeRefused
 from fedring.engine.reducer import ReducerSettings
 from fedring.engine.sampler import ShardSampler
 from fedring.engine.task import Task, TaskError
@@ -178,6 +179,8 @@ class StageHost:
         except (KeyError, TypeError, ValueError, SpecError, DatasetError, TaskError,
                 StageSplitError, ShardError) as exc:  # fmt: skip
             self.counters.add("job_refused")
+            if isinstance(exc, CodeRefused):  # code or a path this agent does not allow
+                self.counters.add("code_refused")
             log.error("%s refused pipeline job %s: %s", self.me, msg.job, exc)
             self.send(msg.job, "nack", {"epoch": doc.get("epoch"), "why": f"refused: {exc}"})
 

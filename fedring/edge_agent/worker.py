@@ -34,6 +34,7 @@ from fedring.compression.payload import Payload
 from fedring.config import JobSpec
 from fedring.counters import Counters
 from fedring.engine.centre import Centre, run_async_member
+from fedring.engine.gate import CodeRefused
 from fedring.engine.group import Group
 from fedring.engine.local import LocalWork
 from fedring.engine.loop import Member, run
@@ -112,12 +113,15 @@ class JobWorker:
         runtime: Callable[[], int] | None = None,  # resident bytes now (0 / None: assumed)
     ) -> None:  # fmt: skip
         self.me, self.job, self.spec, self.shard = me, job, spec, shard
-        try:  # only a task installed here, or from a module this agent allows
-            self.task = build.task_of(spec, data_dir, allowed_modules)
+        try:  # only code installed here or allowed, only files under data_dir (the gate)
+            loaded = build.resolve(spec, data_dir, allowed_modules)
+            self.task = loaded.task
             if task is not None:  # name, version and source sha256 as the coordinator's
                 if not isinstance(task, dict):
                     raise TaskError(f"manifest field 'task' must be a table, got {task!r}")
-                check_task(self.task, task)
+                check_task(self.task, task, loaded.sources)
+        except CodeRefused:
+            raise  # as it is: the daemon counts these apart
         except TaskError as exc:
             raise JobRefused(str(exc)) from None
         dataset = self.task.dataset(spec.seed)

@@ -14,6 +14,7 @@ fleet must be sent its start.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from fedring.aggregation.rules import capped_weights
-from fedring.engine.task import Task, TaskId, task_id
+from fedring.engine.task import Source, Task, TaskId, task_id
 from fedring.training.datasets import Dataset
 from fedring.training.models import flat_params, flat_sha256, params_sha256, set_flat_params
 from fedring.training.sharding import (
@@ -54,10 +55,11 @@ class Plan:
 
 def plan(
     task: Task, *, agents: int, sharding: str = "iid", seed: int = 0,
-    weight_cap: float | None = None,
+    weight_cap: float | None = None, sources: Iterable[Source] = (),
 ) -> Plan:  # fmt: skip
     """Shard `task`'s data over `agents` and fix the initial model; with `weight_cap`,
-    members are weighted by shard size, none above cap x its equal share."""
+    members are weighted by shard size, none above cap x its equal share. `sources`:
+    the modules the task was loaded from, which its `TaskId` hashes (`engine.gate`)."""
     dataset = task.dataset(seed)
     shards = make_shards(dataset.y_train.numpy(), agents, sharding, seed)
     manifest = build_manifest(dataset, shards, sharding, seed)
@@ -66,8 +68,8 @@ def plan(
         weights = capped_weights(manifest.sizes, weight_cap).tolist()
     else:
         weights = [1.0 / agents] * agents
-    return Plan(task, task_id(task), dataset, manifest, shards, initial, flat_sha256(initial),
-                weights)  # fmt: skip
+    return Plan(task, task_id(task, sources), dataset, manifest, shards, initial,
+                flat_sha256(initial), weights)  # fmt: skip
 
 
 def prepare(

@@ -13,19 +13,20 @@ installed package, registered under the entry-point group ``fedring.tasks``::
     housing = "my_pkg.tasks:HousingTask"
 
 An agent never runs code the coordinator sends: it loads a task by name from its
-own installed packages (or from a module its own configuration allows), and the
-manifest names the task, its version and the sha256 of its source, which every
+own installed packages (or from a module its own configuration allows: the gate,
+`engine.gate`, resolves every field of a job that names code or a path), and the
+manifest names the task, its version and the sha256 of its source files, which every
 agent compares with its own copy before training (`TaskId`, `check_task`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -72,13 +73,16 @@ class ClassificationTask:
     data_spec: str = "digits"
     model_spec: str = "mlp"
     version: str = "1"
+    # The file an ``npz:`` spec names on this machine (an agent's, under its data
+    # directory); the name keeps the job's spec, so every member's name is the same.
+    path: str = ""
 
     @property
     def name(self) -> str:
         return f"builtin:{self.data_spec}:{self.model_spec}"
 
     def dataset(self, seed: int) -> Dataset:
-        return load_dataset(self.data_spec, seed)
+        return load_dataset(f"npz:{self.path}" if self.path else self.data_spec, seed)
 
     def model(self, dataset: Dataset, seed: int) -> nn.Module:
         return build_model(self.model_spec, dataset.feature_shape, dataset.num_classes, seed)
@@ -130,51 +134,50 @@ class TaskId:
 
     name: str
     version: str
-    sha256: str  # of the task's source module
+    sha256: str  # of the task's source files (`task_id`)
 
     def to_dict(self) -> dict[str, str]:
         return {"name": self.name, "version": self.version, "sha256": self.sha256}
 
 
-def task_id(task: Task) -> TaskId:
+@dataclass(frozen=True)
+class Source:
+    """A module a task was loaded from, and the sha256 of its file."""
+
+    module: str
+    sha256: str
+
+
+def module_source(module: ModuleType) -> Source:
+    """`module`'s name and the sha256 of its file as it is on disk now (of its name
+    alone for a module without one: built in, or a namespace package)."""
+    file = getattr(module, "__file__", None)
+    data = Path(file).read_bytes() if file else f"no file: {module.__name__}".encode()
+    return Source(module.__name__, hashlib.sha256(data).hexdigest())
+
+
+def task_id(task: Task, sources: Iterable[Source] = ()) -> TaskId:
+    """`task`'s name, version and one sha256 over the files of `sources` (the modules
+    the gate imported for it: the one a ``MODULE:ATTR`` or an entry point names, a
+    ``MODULE:FACTORY`` model's) and of the module that defines the task's class.
+
+    Not covered: the modules those import in turn, and installed dependencies."""
+    covered = list(sources)
     module = inspect.getmodule(type(task))
-    source = inspect.getsource(module) if module is not None else type(task).__qualname__
-    return TaskId(task.name, task.version, hashlib.sha256(source.encode()).hexdigest())
+    if module is None:
+        covered.append(Source(type(task).__qualname__, ""))
+    elif module.__name__ not in {s.module for s in covered}:
+        covered.append(module_source(module))
+    lines = "".join(f"{s.module} {s.sha256}\n" for s in covered)
+    return TaskId(task.name, task.version, hashlib.sha256(lines.encode()).hexdigest())
 
 
-def check_task(task: Task, want: dict[str, Any]) -> None:
+def check_task(task: Task, want: dict[str, Any], sources: Iterable[Source] = ()) -> None:
     """Refuse a task whose name, version or source differs from the manifest's."""
-    got = task_id(task)
+    got = task_id(task, sources)
     for key, mine in got.to_dict().items():
         if want.get(key) != mine:
             raise TaskError(
                 f"task {got.name!r}: manifest {key} {str(want.get(key))[:16]!r} != this "
                 f"agent's {mine[:16]!r}; install the same task version as the coordinator"
             )
-
-
-def load_task(ref: str, allowed_modules: Iterable[str] = ()) -> Task:
-    """A task by entry-point name, or ``MODULE:ATTR`` when `MODULE` is allowed."""
-    if ":" in ref:
-        module_name, _, attr = ref.partition(":")
-        if module_name not in set(allowed_modules):
-            raise TaskError(
-                f"task {ref!r}: module {module_name!r} is not allowed on this agent "
-                "(install it as a package with a 'fedring.tasks' entry point, or allow it)"
-            )
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise TaskError(f"task {ref!r} cannot be loaded: {exc}") from None
-    else:
-        found = [ep for ep in entry_points(group=GROUP) if ep.name == ref]
-        if not found:
-            known = sorted(ep.name for ep in entry_points(group=GROUP))
-            raise TaskError(f"task {ref!r} is not installed; entry points in {GROUP!r}: {known}")
-        factory = found[0].load()
-    # A class or a factory function is called; an instance is used as it is.
-    make = isinstance(factory, type) or (callable(factory) and not isinstance(factory, Task))
-    task = factory() if make else factory
-    if not isinstance(task, Task):
-        raise TaskError(f"task {ref!r}: {type(task).__name__} lacks the Task members")
-    return task

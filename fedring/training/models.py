@@ -134,6 +134,18 @@ def _init_weights(model: nn.Sequential) -> None:
             nn.init.zeros_(layer.bias)
 
 
+def factory_module(spec: str) -> str | None:
+    """The module `build_model` imports for `spec` (``MODULE:FACTORY``); None for a
+    built-in model, which imports nothing.
+
+    >>> factory_module("my_models:small"), factory_module("mlp:64x32")
+    ('my_models', None)
+    """
+    if spec in _BUILTIN or spec.startswith("mlp:") or ":" not in spec:
+        return None
+    return spec.partition(":")[0]
+
+
 def _from_factory(spec: str, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     module_name, _, factory_name = spec.partition(":")
     if not module_name or not factory_name:

@@ -4,6 +4,9 @@ name, version and source sha256 must match the agent's own copy."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -12,10 +15,12 @@ import torch
 from fedring import build
 from fedring.config import JobSpec, SpecError
 from fedring.edge_agent.worker import JobRefused, JobWorker
+from fedring.engine.gate import CodeRefused, load_task
 from fedring.engine.plan import plan
-from fedring.engine.task import ClassificationTask, TaskError, check_task, load_task, task_id
+from fedring.engine.task import ClassificationTask, TaskError, check_task, task_id
 from fedring.sim.runner import simulate
 from fedring.training.datasets import Dataset, DatasetError
+from tests.engine.hostile import write_module
 
 ROOT = Path(__file__).resolve().parents[2]
 OWN = "examples.own_model:DiabetesTask"
@@ -86,7 +91,7 @@ def test_a_worker_refuses_a_task_it_does_not_allow_or_whose_source_differs(
     spec = JobSpec(task=OWN, agents=2, rounds=1)
     want = task_id(build.task_of(spec)).to_dict()
     assert _worker(spec, want, ("examples.own_model",)).task.name == "diabetes-regressor"
-    with pytest.raises(JobRefused, match="not allowed on this agent"):
+    with pytest.raises(CodeRefused, match="not allowed on this agent"):
         _worker(spec, want, ())
     with pytest.raises(JobRefused, match="manifest sha256"):
         _worker(spec, {**want, "sha256": "f" * 64}, ("examples.own_model",))
@@ -106,3 +111,28 @@ def test_built_in_tasks_are_entry_points_and_train_like_the_dataset_fields() -> 
     assert load_task("mnist1d") == ClassificationTask("mnist1d", "cnn")
     by_name = simulate(JobSpec(task="digits", rounds=5))["model_hashes"]
     assert by_name == simulate(JobSpec(rounds=5))["model_hashes"]
+
+
+@pytest.mark.parametrize("field", ["task", "model"])
+def test_the_task_id_covers_the_module_the_job_names_not_only_the_tasks_class(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str
+) -> None:
+    """`MODULE:ATTR` returning fedring's own `ClassificationTask`, or a `MODULE:FACTORY`
+    model: another agent's module of that name, with other code run at import, must
+    not pass for the coordinator's."""
+    name = f"mine_{field}_{uuid.uuid4().hex[:10]}"
+    write_module(tmp_path, name, variant="coordinator's")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = JobSpec(
+        agents=2, rounds=1, **{field: f"{name}:{'task' if field == 'task' else 'factory'}"}
+    )
+    p = build.plan(spec)
+    write_module(tmp_path, name, variant="another agent's, longer")  # same name, other code
+    sys.modules.pop(name, None)
+    importlib.invalidate_caches()
+    try:
+        with pytest.raises(JobRefused, match="manifest sha256"):
+            JobWorker("a0", "j", spec, 0, p.manifest.entry(0).to_dict(), p.model_sha256,
+                      task=p.task_id.to_dict(), allowed_modules=(name,))  # fmt: skip
+    finally:
+        sys.modules.pop(name, None)
