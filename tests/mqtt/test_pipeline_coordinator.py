@@ -41,9 +41,12 @@ def npz(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def stages(broker: Mosquitto, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """Three rpi3 daemons, one torch thread each (three processes share two cores)."""
-    flags = ["--profile", "rpi3", "--threads", "1"]
+def stages(
+    broker: Mosquitto, npz: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
+    """Three rpi3 daemons, one torch thread each (three processes share two cores),
+    reading npz files from the folder of `npz` (an agent reads none elsewhere)."""
+    flags = ["--profile", "rpi3", "--threads", "1", "--data-dir", str(Path(npz[4:]).parent)]
     f = Fleet(broker.url, tmp_path_factory.mktemp("logs"), extra={a: flags for a in AGENTS})
     for a in AGENTS:
         f.start(a)
