@@ -94,7 +94,11 @@ _AGENT_KEEPALIVE = typer.Option(
 def agent_cmd(
     broker: str = typer.Option(..., "--broker", help=BROKER_HELP),
     agent_id: str = typer.Option(..., "--id", help="This board's id (letters, digits, _ . -)."),
-    data_dir: Path | None = typer.Option(None, "--data-dir", help="Where npz:PATH datasets live."),
+    data_dir: Path | None = typer.Option(
+        None,
+        "--data-dir",
+        help="Where npz:PATH datasets live; a job's PATH must resolve under it (none: no npz).",
+    ),
     profile: str = typer.Option(
         "auto",
         "--profile",
@@ -111,9 +115,9 @@ def agent_cmd(
     keepalive: int | None = _AGENT_KEEPALIVE,
     allow_task_module: list[str] = typer.Option(
         [], "--allow-task-module",
-        help="A module whose MODULE:ATTR tasks this agent may import (repeatable). Tasks "
-        "installed as packages (entry points 'fedring.tasks') need no flag; code is never "
-        "taken from the coordinator.",
+        help="A module this agent may import for a job's task = MODULE:ATTR or model = "
+        "MODULE:FACTORY (repeatable). Tasks installed as packages (entry points "
+        "'fedring.tasks') need no flag; code is never taken from the coordinator.",
     ),
 ) -> None:
     """Run the agent daemon: enrol with the broker, train when a coordinator calls.
