@@ -12,6 +12,8 @@ checked: anything but a finite number >= 0 counts as unknown (0).
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,3 +118,45 @@ class Fleet:
             out[a] = {"step_s": self.step_s.get(a), "link_bps": self.link(a), "rtt_s": probe.rtt_s,
                       "up_bps": probe.up_bps, "down_bps": probe.down_bps}  # fmt: skip
         return out
+
+
+# The ring channel's `PeerLost` text, as a member's nack carries it in ``why``.
+_PEER_LOST = re.compile(r"peer '([A-Za-z0-9_.-]+)' left or was lost")
+
+
+def reported_lost(doc: dict[str, Any]) -> str:
+    """The peer a member's nack says it lost ("" if none): its ``lost`` field, else the
+    channel's `PeerLost` text in ``why``."""
+    lost = doc.get("lost")
+    if isinstance(lost, str):
+        return lost
+    found = _PEER_LOST.search(str(doc.get("why", "")))
+    return found.group(1) if found else ""
+
+
+@dataclass
+class Suspects:
+    """Peers a member reported lost that the coordinator's own link may still see online.
+
+    A report ends the epoch at once (the ring is broken either way), but it does not
+    decide the next ring's members: it may be early (the peer is dead and the link's
+    watch has not said so yet: a ring re-formed with it stalls until it does) or wrong
+    (the reporter's own hiccup). A suspect waits for the link's verdict: it leaves
+    (lost), it comes back under a new session (joined: `clear`), or it is still online
+    `verdict_s` after the report, which the watch would have noticed were it silent.
+    """
+
+    since: dict[str, float] = field(default_factory=dict)  # agent -> first report, monotonic
+
+    def report(self, agent: str, now: float) -> None:
+        self.since.setdefault(agent, now)
+
+    def clear(self, agent: str) -> None:
+        self.since.pop(agent, None)
+
+    def pending(self, online: Set[str], now: float, verdict_s: Callable[[str], float]) -> set[str]:
+        """The suspects whose verdict is not in yet; those decided are forgotten."""
+        for agent, at in list(self.since.items()):
+            if agent not in online or now - at >= verdict_s(agent):
+                del self.since[agent]
+        return set(self.since)

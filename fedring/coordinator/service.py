@@ -44,7 +44,7 @@ from fedring.coordinator.checkpoint import Checkpoint
 from fedring.coordinator.collectives import CollectivePlans
 from fedring.coordinator.degrade import Degrade
 from fedring.coordinator.manifest import segment_docs
-from fedring.coordinator.membership import Fleet, number
+from fedring.coordinator.membership import Fleet, Suspects, number, reported_lost
 from fedring.counters import Counters
 from fedring.engine.plan import Plan
 from fedring.engine.resync import Drift
@@ -53,7 +53,7 @@ from fedring.training.models import flat_sha256, set_flat_params
 from fedring.training.sharding import ShardManifest
 from fedring.transport import topics
 from fedring.transport.base import Deadline, TransportError
-from fedring.transport.mqtt import BrokerConfig, Control, MqttLink
+from fedring.transport.mqtt import SILENT_AFTER, BrokerConfig, Control, MqttLink
 from fedring.wire.control import ControlCodec, ControlMessage
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,9 @@ SEND_S = 10.0
 # agent keeps its last 4 rounds' states (`edge_agent.worker`), a synchronous ring
 # halts within one round.
 HELD_SPREAD = 2
+# Seconds past a peer's silence limit (SILENT_AFTER x its keep-alive) before the link's
+# silence check, which runs every 0.25 s, has surely seen a peer that stopped beating.
+VERDICT_MARGIN_S = 1.0
 
 
 class CoordinatorError(RuntimeError):
@@ -103,6 +106,7 @@ class Coordinator:
         self.centre: StarCentre | None = None  # a star or async job's centre
         self.plan: Plan | None = None  # computed once: the initial model, the evaluator
         self.fleet = Fleet()  # hellos and probes: ring order, frame size, patience
+        self.suspects = Suspects()  # peers members reported lost: out until the link agrees
         self.ck: Checkpoint | None = None
         self.hashes: dict[int, dict[str, str]] = {}
         self.resynced: set[int] = set()  # rounds that ended with the head's parameters
@@ -223,9 +227,30 @@ class Coordinator:
         return set(self.fleet.hellos) & set(self.link.peers())
 
     def _members(self) -> list[str]:
-        assert self.ck is not None
+        """The next ring: online holders of a shard that did not refuse the job, once the
+        link has its own verdict on every peer a member reported lost (`Suspects`)."""
+        assert self.ck is not None and self.link is not None
         self._poll(0.0)
+        deadline = Deadline.after(max(map(self._verdict_s, self.ck.shards), default=0.0))
+        while self.suspects.pending(self.link.peers(), time.monotonic(), self._verdict_s):
+            if deadline.expired:
+                break
+            self._poll(0.1)
         return self.fleet.order((self._ready() & set(self.ck.shards)) - set(self.refused))
+
+    def _verdict_s(self, agent: str) -> float:
+        """How long after a report the link's watch has surely seen `agent` go silent."""
+        keepalive = self.fleet.profile(agent, "keepalive_s") or self.cfg.keepalive
+        return SILENT_AFTER * keepalive + VERDICT_MARGIN_S
+
+    def _note_nack(self, msg: ControlMessage) -> None:
+        """What a member's nack says beyond "stopped": it refused the job (for good), or
+        it lost a peer (a suspect until the link's verdict)."""
+        if str(msg.doc.get("why", "")).startswith("refused"):
+            self.refused[msg.src] = str(msg.doc["why"])
+        peer = reported_lost(msg.doc)
+        if peer and peer != msg.src:
+            self.suspects.report(peer, time.monotonic())
 
     # -- one segment --------------------------------------------------------------
 
@@ -409,8 +434,7 @@ class Coordinator:
                 self.t0 = time.perf_counter()  # every agent holds its shard and model
         elif msg.kind == "nack":
             self.counters.add("agent_nack")
-            if str(msg.doc.get("why", "")).startswith("refused"):
-                self.refused[msg.src] = str(msg.doc["why"])
+            self._note_nack(msg)
             if self.asynchronous:
                 return self._went(ep, msg.src, f"stopped: {msg.doc.get('why', '')}")
             return f"{msg.src} stopped: {msg.doc.get('why', '')}", False
@@ -524,6 +548,8 @@ class Coordinator:
                 self._checkpoint(ep, msg)
             if msg.kind in ("nack", "bye") and this_epoch:
                 waiting.discard(msg.src)
+                if msg.kind == "nack":
+                    self._note_nack(msg)  # a refusal while the others halt counts too
                 committed, sha = msg.doc.get("committed"), msg.doc.get("sha256")
                 if msg.kind == "nack" and type(committed) is int and isinstance(sha, str):
                     ep.halted[msg.src] = (committed, sha)
@@ -637,6 +663,8 @@ class Coordinator:
             return None
         if item.kind == "hello":
             self._on_hello(item)
+        elif item.kind == "member" and item.event is not None and item.event.kind == "joined":
+            self.suspects.clear(item.src)  # a new session: alive, whatever was reported
         return item
 
     def _poll(self, timeout: float) -> None:
