@@ -429,6 +429,12 @@ class MqttLink:
         if "CERTIFICATE_VERIFY_FAILED" in error:
             return (f" (is the broker's certificate signed by --ca {self.cfg.ca!r}, and does it "
                     f"name {self.cfg.host!r}?)")  # fmt: skip
+        rejected = ("CERTIFICATE_REQUIRED", "EOF occurred", "UNKNOWN_CA", "BAD_CERTIFICATE")
+        if self.cfg.cert is not None and any(code in error for code in rejected):
+            # We did send one (an untrusted one reads as EOF, the alert lost in the close)
+            return (f" (the broker does not trust the client certificate --cert "
+                    f"{self.cfg.cert!r}: is it signed by a CA in the broker's cafile, "
+                    "and still valid?)")  # fmt: skip
         if "CERTIFICATE_REQUIRED" in error:
             return " (the broker wants a client certificate: give --cert and --key)"
         if "EOF occurred" in error:  # the broker's alert lost in the race with its close

@@ -102,3 +102,21 @@ def test_the_cli_names_a_missing_tls_file_and_exits_2(option: str) -> None:
     assert result.exit_code == 2, result.output
     assert option in result.output and "/nonexistent" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_client_certificate_from_an_untrusted_ca_is_named_as_such(
+    tls_broker: Mosquitto, certs: Path
+) -> None:
+    """Both --cert and --key given, signed by a CA the broker does not trust: the hint
+    names the certificate, not "give --cert and --key" (issue 27)."""
+    _signed(certs, "rogue-client", "rogue", "DNS:a1")
+    cfg = BrokerConfig.parse(tls_broker.url, ca=str(certs / "ca.crt"),
+                             cert=str(certs / "rogue-client.crt"),
+                             key=str(certs / "rogue-client.key"))  # fmt: skip
+    start = time.monotonic()
+    with pytest.raises(BrokerTlsError) as refused:
+        MqttLink(cfg, "a1").connect()
+    text = str(refused.value)
+    assert "give --cert and --key" not in text, text
+    assert "rogue-client.crt" in text and "trust" in text, text
+    assert time.monotonic() - start < 3
