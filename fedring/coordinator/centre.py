@@ -17,6 +17,10 @@ target accuracy.
 
 The centre stops when the epoch does: a re-formation or the end of the job
 interrupts it, and the next epoch starts another from the checkpoint's round.
+A centre stopped by the agents (one lost or silent) is theirs to report; one
+stopped by anything else keeps the error in `failure`, and `check` raises it,
+so the coordinator ends the job with it (its agents then see it leave) instead
+of waiting for the agents' timeout and re-forming around the same fault.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 
 from fedring import build
-from fedring.collective.channel import PeerChannel
+from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.config import JobSpec
 from fedring.counters import Counters
 from fedring.engine.centre import AsyncState, serve, serve_async
@@ -56,6 +60,9 @@ class StarCentre:
         self.versions: queue.Queue[tuple[dict[str, Any], torch.Tensor | None]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._channel_job = ""
+        # What stopped the centre other than the agents (a bug, a bad rule): the
+        # coordinator raises it (`check`) rather than re-form around it for ever.
+        self.failure: Exception | None = None
 
     @property
     def running(self) -> bool:
@@ -79,9 +86,13 @@ class StarCentre:
         def body() -> None:
             try:
                 work()
-            except Exception as exc:  # the agents report the failed round: log, count
+            except CollectiveError as exc:  # the agents report the failed round: log, count
                 self.counters.add("centre_stopped")
                 log.warning("epoch %d: the centre stopped: %s", epoch, exc)
+            except Exception as exc:  # nobody else knows of it: `check` hands it on
+                self.counters.add("centre_failed")
+                log.error("epoch %d: the centre failed: %r", epoch, exc)
+                self.failure = exc
 
         self._thread = threading.Thread(target=body, name=f"centre-e{epoch}", daemon=True)
         self._thread.start()
@@ -126,6 +137,11 @@ class StarCentre:
                      self.state.version, self.state.lost or "none")  # fmt: skip
 
         return work
+
+    def check(self) -> None:
+        """Raise, as itself, what stopped the centre if it was not the agents."""
+        if self.failure is not None:
+            raise self.failure
 
     def stop(self) -> None:
         """Interrupt the running epoch's centre and wait for its thread."""

@@ -359,6 +359,8 @@ class Coordinator:
         acks_by = Deadline.after(self.opts.ack_timeout_s)
         progress = Deadline.after(stall)
         while True:
+            if self.centre is not None:
+                self.centre.check()  # a centre that failed by itself ends the job with its error
             if self.asynchronous and self._drain_centre(ep):
                 progress = Deadline.after(stall)
             if ep.done and set(ep.members) <= set(ep.done) | ep.gone:

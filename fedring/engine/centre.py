@@ -42,7 +42,12 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from fedring.aggregation.rules import Aggregation, median, trimmed_mean
-from fedring.collective.channel import CollectiveError, PeerChannel
+from fedring.collective.channel import (
+    CollectiveError,
+    CollectiveInterrupted,
+    PeerChannel,
+    PeerLost,
+)
 from fedring.compression.payload import Payload, PayloadLimits
 from fedring.compression.quantize import DenseCodec
 from fedring.engine.participation import sampled
@@ -89,9 +94,12 @@ def serve(
 ) -> int:
     """Serve rounds until `settings.rounds`; return the rounds served.
 
-    A member that stops sending ends the service: before any round is served that
-    is an error (raised), afterwards it is how a job that reached its target
-    early ends (the members report it to their runner).
+    A member that leaves (`PeerLost`), or the owner's interruption, ends the
+    service: before any round is served that is an error (raised), afterwards it
+    is how a job that reached its target early ends (the members report it to
+    their runner). A member that stays but goes silent is a `CollectiveTimeout`,
+    raised whenever it happens: returning would leave the members that did send
+    waiting out their own timeout for a reply that never comes, and hide why.
     """
     rule = Aggregation.parse(settings.aggregation)
     limits = PayloadLimits(max_numel=numel)
@@ -106,7 +114,7 @@ def serve(
                              limits=limits)
                 for i in chosen
             ]  # fmt: skip
-        except Exception:
+        except (PeerLost, CollectiveInterrupted):
             if served == 0:
                 raise
             return served

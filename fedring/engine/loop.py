@@ -105,7 +105,11 @@ def run(member: Member, settings: LoopSettings) -> LoopResult:
             test_loss, metric = member.evaluate(state.model)
             verdict = monitor.check(test_loss)
             if verdict == "rollback":
+                # the parameters go back, the round count does not: a star's centre
+                # (and the loop's `r`) go on from here, and so must the exchanges
+                agreed_rounds = opt.round
                 state.restore(good)
+                opt.round = agreed_rounds
                 opt.drop_pending()  # a gradient of the diverged parameters
                 member.scaling.factor *= 0.5
                 result.rollbacks += 1

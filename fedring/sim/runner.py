@@ -101,21 +101,26 @@ def simulate(
         try:
             with baton.turn() if baton else contextlib.nullcontext():
                 return run(members[rank], loop)
-        except BaseException:
-            groups[rank].channel.endpoint.close()  # neighbours fail fast instead of waiting
-            raise
         finally:
+            # Leave, done or failed: neighbours waiting on this agent fail fast, and a
+            # star's centre sees a job that stopped at its target end, not time out.
+            # Whatever this agent sent is queued ahead of its leaving.
+            groups[rank].channel.endpoint.close()
             members[rank].state.optimizer.close()
+
+    def centre(channel: PeerChannel) -> int:
+        try:
+            return serve(channel, groups[0].members, numel, build.centre_settings(spec))
+        finally:
+            channel.endpoint.close()  # members still waiting for a reply stop at once
 
     with ThreadPoolExecutor(max_workers=spec.agents + 1) as pool:
         server = None
         if build.needs_centre(spec):
-            centre = PeerChannel(hub.connect(STAR), "sim", key=LOCAL_KEY, counters=counters)
-            server = pool.submit(
-                serve, centre, groups[0].members, numel, build.centre_settings(spec)
-            )
+            channel = PeerChannel(hub.connect(STAR), "sim", key=LOCAL_KEY, counters=counters)
+            server = pool.submit(centre, channel)
         futures = [pool.submit(agent, r) for r in range(spec.agents)]
-        results = _gather(futures + ([server] if server else []))[: spec.agents]
+        results = _gather(futures, server)
     channels = [g.channel for g in groups]
     models = [m.state.model for m in members]
     summary = summarise(spec, p, results, models, channels, time.perf_counter() - start)
@@ -127,13 +132,16 @@ def simulate(
     return summary
 
 
-def _gather(futures: list[Any]) -> list[Any]:
-    errors = [f.exception() for f in futures]
+def _gather(agents: list[Any], centre: Any | None = None) -> list[Any]:
+    """The agents' results, or the error that stopped the job, as itself: a bug
+    (anything but a `CollectiveError`) before the failed exchanges it caused, and
+    the centre's failure before the agents' loss of it."""
+    errors = [f.exception() for f in ([centre] if centre is not None else []) + agents]
     causes = [e for e in errors if e is not None and not isinstance(e, CollectiveError)]
     first = causes or [e for e in errors if e is not None]
     if first:
         raise first[0]
-    return [f.result() for f in futures]
+    return [f.result() for f in agents]
 
 
 def summarise(

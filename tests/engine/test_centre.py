@@ -4,6 +4,7 @@ update, and the asynchronous centre's staleness weights, soft sync and ending.""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from fedring.aggregation.rules import Aggregation
-from fedring.collective.channel import PeerChannel
+from fedring.collective.channel import CollectiveTimeout, PeerChannel
 from fedring.compression.quantize import DenseCodec
 from fedring.config import JobSpec
 from fedring.engine.centre import (
@@ -156,3 +157,76 @@ def test_async_centre_goes_on_without_a_lost_member() -> None:
     assert _push(members["a"], 1.0, 1)[0] == "end"
     thread.join(10)
     assert not thread.is_alive() and state.lost == ["b"] and state.version == 2
+
+
+# -- a star that rolls back, and a centre that fails (issue 27, item 11) -------------
+
+
+def test_a_dense_median_star_rolls_back_and_finishes() -> None:
+    """The issue's run: the dense median diverges at the round-70 evaluation and the
+    members roll back to round 60's state; the centre cannot, so the members must go
+    on counting rounds from 70 (they rewound to 60 and both sides waited out the timeout)."""
+    spec = JobSpec(agents=4, dataset="digits", topology="star", aggregation="median",
+                   compression="none", rounds=80, timeout_s=10.0)  # fmt: skip
+    s = simulate(spec)
+    assert s["rounds"] == 80 and s["rollbacks"] >= 1 and s["identical_models"]
+    assert s["evals"][-1]["verdict"] == "ok"
+
+
+def test_a_star_rollback_keeps_the_members_on_the_centres_round() -> None:
+    """Any star whose members roll back, whatever the rule (`lr` = 50 diverges)."""
+    spec = JobSpec(agents=2, topology="star", rounds=40, eval_every=5, lr=50.0,
+                   compression="none", warmup_steps=0, timeout_s=10.0)  # fmt: skip
+    s = simulate(spec)
+    assert s["rounds"] == 40 and s["rollbacks"] >= 1
+    assert [row["round"] for row in s["rows"]] == list(range(1, 41))
+
+
+def test_an_error_in_the_centre_reaches_the_user_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not as the members' timeout, and without waiting for it."""
+    import fedring.engine.centre as centre_module
+
+    calls = 0
+
+    def failing(updates: torch.Tensor, rule: Aggregation) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("injected: the centre's rule failed")
+        return combine(updates, rule)
+
+    monkeypatch.setattr(centre_module, "combine", failing)
+    spec = JobSpec(agents=3, topology="star", aggregation="median", rounds=10, timeout_s=30.0)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="injected: the centre's rule failed"):
+        simulate(spec)
+    assert time.perf_counter() - start < 10.0  # the members' timeout is 30 s
+
+
+def test_a_star_that_reaches_its_target_ends_without_waiting_out_the_centre() -> None:
+    spec = JobSpec(agents=3, topology="star", compression="none", rounds=100,
+                   target_accuracy=0.3, timeout_s=30.0)  # fmt: skip
+    start = time.perf_counter()
+    s = simulate(spec)
+    assert s["rounds"] < 100 and time.perf_counter() - start < 15.0
+
+
+def test_a_member_silent_after_the_first_round_is_a_timeout_of_the_centre() -> None:
+    """Only members that leave (or the owner's interruption) end the service quietly."""
+    _hub, centre, members = _channels(["a", "b"])
+    settings = CentreSettings("median", rounds=3, timeout_s=0.5)
+    thread, out = _on_thread(lambda: _served_or_error(centre, settings))
+    for rnd in (0, 1):
+        for ch in members.values() if rnd == 0 else [members["a"]]:
+            ch.send(STAR, DenseCodec("fp32").compress(torch.ones(D)), round=rnd, step=0,
+                    phase="up", deadline=Deadline.after(5))  # fmt: skip
+    thread.join(10)
+    assert isinstance(out[0], CollectiveTimeout), out
+    assert "'b'" in str(out[0]) and "round 1" in str(out[0])
+
+
+def _served_or_error(centre: PeerChannel, settings: CentreSettings) -> int | Exception:
+    try:
+        return serve(centre, ("a", "b"), D, settings)
+    except Exception as exc:
+        return exc
