@@ -11,9 +11,12 @@ guards, from the cheapest:
   file names the holder's pid for the refusal message.
 - `check_broker`: before connecting, the coordinator's retained presence is read
   under a throwaway client id; "online" means a live coordinator holds the id (its
-  last-will turns it to "lost" when it dies). A broker that binds client ids to
-  user names (``use_username_as_clientid``, as docs/deploy.md sets up) allows no
-  such peek under the coordinator's own user: the link's own check covers that case.
+  last-will turns it to "lost" when it dies). The same look clears the retained
+  manifests of coordinators that crashed. A broker that binds client ids to user
+  names (``use_username_as_clientid``, as docs/deploy.md sets up) allows no such
+  look under the coordinator's own user (it would take over a live holder's
+  session): with a user name it is skipped, and the link's own check covers the
+  rest.
 - The link (`MqttLink.taken_over`): after a reconnect, a presence "online" under
   another session means another process took the id while this one was away; this
   one stops, without a goodbye (its "offline" would overwrite the holder's presence).
@@ -23,13 +26,23 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
+import logging
 import os
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from fedring.rendezvous import online_status
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
 from fedring.transport import topics
-from fedring.transport.mqtt import BrokerConfig
+from fedring.transport.mqtt import BrokerConfig, BrokerRefused, BrokerUnreachable
+
+log = logging.getLogger(__name__)
+MAX_STATUS_BYTES = 1024
 
 LOCK_FILE = ".coordinator.lock"
 
@@ -83,14 +96,84 @@ def lock_folder(out: Path) -> FolderLock:
 
 def check_broker(cfg: BrokerConfig) -> None:
     """Raise `CoordinatorBusy` if a coordinator is online at `cfg`'s broker (a crashed
-    one counts once the broker sends its will: within 1.5 keep-alives)."""
-    holder = online_status(cfg, topics.COORDINATOR)
-    if holder is None:
+    one counts once the broker sends its will: within 1.5 keep-alives); otherwise clear
+    every retained job manifest, left by coordinators that crashed (a finished job
+    clears its own, and only one coordinator is ever online at a broker: a resumed job
+    publishes its manifest again). Skipped where a user name is set (see above)."""
+    if cfg.username is not None:
         return
-    job = f", job {holder['job']!r}" if holder.get("job") else ""
-    raise CoordinatorBusy(
-        f"a coordinator is already online at {cfg.url} (session {holder.get('session', '?')}"
-        f"{job}): a broker runs one coordinator at a time, under the id "
-        f"{topics.COORDINATOR!r}; stop it first (if it has just died, the broker marks it "
-        "lost within 1.5 keep-alives: try again then)"
-    )
+    retained = _peek(cfg, [topics.status(topics.COORDINATOR), topics.manifest("+")])
+    holder = _online(retained.pop(topics.status(topics.COORDINATOR), b""))
+    if holder is not None:
+        job = f", job {holder['job']!r}" if holder.get("job") else ""
+        raise CoordinatorBusy(
+            f"a coordinator is already online at {cfg.url} (session "
+            f"{holder.get('session', '?')}{job}): a broker runs one coordinator at a time, "
+            f"under the id {topics.COORDINATOR!r}; stop it first (if it has just died, the "
+            "broker marks it lost within 1.5 keep-alives: try again then)"
+        )
+    if retained:
+        log.info("clearing %d retained manifest(s) of crashed coordinators: %s",
+                 len(retained), sorted(retained))  # fmt: skip
+        _peek(cfg, [], clear=sorted(retained))
+
+
+def _online(payload: bytes) -> dict[str, Any] | None:
+    """A retained presence that says "online" (someone holds the id), else None."""
+    if not payload or len(payload) > MAX_STATUS_BYTES:
+        return None
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and doc.get("state") == "online" else None
+
+
+def _peek(cfg: BrokerConfig, filters: list[str], clear: Sequence[str] = ()) -> dict[str, bytes]:
+    """The messages retained on `filters` (topic -> payload), read under a throwaway
+    client id that leaves no session; then empty the retained `clear` topics."""
+    seen: dict[str, bytes] = {}
+    refused: list[str] = []
+    done = threading.Event()
+
+    def on_connect(client: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
+        if rc.is_failure:
+            refused.append(str(rc))
+            done.set()
+        elif filters:  # QoS 0: what is retained is not held back behind in-flight limits
+            client.subscribe([(f, 0) for f in filters])
+        else:
+            done.set()
+
+    def on_message(_c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        if msg.retain and msg.payload:
+            seen[msg.topic] = bytes(msg.payload)
+
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311, clean_session=True,
+                         client_id=f"fedring-coordinator-peek-{os.urandom(4).hex()}")  # fmt: skip
+    if cfg.tls:
+        client.tls_set(ca_certs=cfg.ca, certfile=cfg.cert, keyfile=cfg.key)
+    client.on_connect, client.on_message = on_connect, on_message
+    # The broker answers a subscription after sending what it retained, and the
+    # unsubscription after that: once it is answered, everything retained is in.
+    client.on_subscribe = lambda c, *_: c.unsubscribe(filters)
+    client.on_unsubscribe = lambda *_: done.set()
+    client.connect_timeout = cfg.connect_timeout_s
+    try:
+        client.connect(cfg.host, cfg.port, keepalive=max(cfg.keepalive, 5))
+    except (OSError, ValueError) as exc:
+        raise BrokerUnreachable(f"broker {cfg.url}: {exc}") from exc
+    client.loop_start()
+    try:
+        if not done.wait(cfg.connect_timeout_s):
+            raise BrokerUnreachable(
+                f"no answer from broker {cfg.url} within {cfg.connect_timeout_s:g} s"
+            )
+        for topic in clear:
+            client.publish(topic, b"", qos=1, retain=True).wait_for_publish(cfg.connect_timeout_s)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    if refused:
+        raise BrokerRefused(f"broker {cfg.url} refused an anonymous look: {refused[0]}")
+    return seen

@@ -39,17 +39,23 @@ def _waiting(out: Path) -> bool:
     return "waiting for 4 agents" in _log(out)
 
 
-def _state(broker: Mosquitto) -> str:
-    """The coordinator's presence as the broker retains it ("" if none)."""
+def _retained(broker: Mosquitto, topic: str) -> list[bytes]:
+    """What the broker retains on `topic` (read by a fresh subscriber)."""
     got: list[bytes] = []
     spy = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"spy-{time.monotonic_ns()}")
     spy.on_message = lambda _c, _u, m: got.append(bytes(m.payload)) if m.retain else None
     spy.connect("127.0.0.1", broker.port)
-    spy.subscribe("fedring/v1/agents/coordinator/status", qos=0)
+    spy.subscribe(topic, qos=0)
     spy.loop_start()
     time.sleep(0.3)  # a retained message arrives right after the subscription
     spy.loop_stop()
     spy.disconnect()
+    return got
+
+
+def _state(broker: Mosquitto) -> str:
+    """The coordinator's presence as the broker retains it ("" if none)."""
+    got = _retained(broker, "fedring/v1/agents/coordinator/status")
     return str(json.loads(got[-1]).get("state", "")) if got else ""
 
 
@@ -132,3 +138,22 @@ def test_a_stale_coordinator_that_wakes_up_stops_instead_of_fighting(
                 proc.send_signal(signal.SIGCONT)
                 proc.kill()
                 proc.wait(5)
+
+
+def test_a_starting_coordinator_clears_the_manifests_a_crashed_one_left(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
+    """A coordinator that crashed left its job's retained manifest ("running") for ever;
+    only one coordinator is ever online at a broker, so the next one to start clears
+    whatever manifest is retained (its own job's, resumed, is published again)."""
+    topic = "fedring/v1/jobs/digits-dead0001/manifest"
+    pub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="crashed-coordinator")
+    pub.connect("127.0.0.1", broker.port)
+    pub.loop_start()
+    pub.publish(topic, b"a manifest frame", qos=1, retain=True).wait_for_publish(5)
+    pub.loop_stop()
+    pub.disconnect()
+    assert _retained(broker, topic) == [b"a manifest frame"]
+    proc = coordinator(broker.url, job_toml(tmp_path), tmp_path / "run", "--enrol-timeout", "2")
+    assert _stopped(proc, 30) == 1  # no agent: it gives up, after clearing
+    assert _retained(broker, topic) == []
