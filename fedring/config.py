@@ -268,7 +268,9 @@ class JobSpec:
         table = data.get("job", data)
         if not isinstance(table, dict):
             raise SpecError(f"job file {str(p)!r}: [job] must be a table")
-        return cls.from_mapping({**table, **(overrides or {})})
+        spec = cls.from_mapping({**table, **(overrides or {})})
+        _check_sample_fits(spec)
+        return spec
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)
@@ -338,6 +340,18 @@ def _check_sample(spec: JobSpec) -> None:
             "'local' and aggregation mean, median or trimmed:B (the sample's updates count "
             "alike), not "
             f"topology={spec.topology!r}, sync={spec.sync!r}, aggregation={spec.aggregation!r}"
+        )
+
+
+def _check_sample_fits(spec: JobSpec) -> None:
+    """A job's whole-number `sample` may not ask for more agents a round than the job
+    has: `sample = 7` of 4 would train all 4 every round, silently. Checked where a user
+    writes the job (its file, flags over it), not in `__post_init__`: a coordinator
+    that starts with fewer agents (``--min-agents``) says so in its summary instead."""
+    if spec.sample > 1 and spec.sample > spec.agents:
+        raise SpecError(
+            f"field 'sample'={spec.sample:g} asks for more agents a round than the job's "
+            f"agents={spec.agents}: give at most {spec.agents}, or a fraction in (0, 1]"
         )
 
 

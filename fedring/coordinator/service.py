@@ -183,6 +183,11 @@ class Coordinator:
                 )
             self._poll(0.2)
         chosen = self.fleet.order(self._ready())[: self.spec.agents]
+        if self.spec.sample > len(chosen):  # a whole number (a fraction is at most 1)
+            why = (f"sample={self.spec.sample:g} asks for more agents a round than the "
+                   f"{len(chosen)} enrolled: every round trains all {len(chosen)}")  # fmt: skip
+            log.warning(why)
+            self.events.append({"t": time.time(), "epoch": 0, "why": why})
         spec = self.spec.replace(agents=len(chosen))
         p = self.plan = plan(spec)
         job = topics.check_id("job", f"{_slug(spec.task or spec.dataset)}-{os.urandom(4).hex()}")

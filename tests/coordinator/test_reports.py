@@ -126,3 +126,20 @@ def test_every_refusal_counts_in_the_fewer_agents_message(tmp_path: Path) -> Non
     text = str(refusal.value)
     assert "2 of the 4 agents the job needs are left after 2 refused it" in text, text
     assert "a2: refused" in text and "a3: refused" in text
+
+
+def test_a_sample_above_the_agents_enrolled_is_said_in_the_events(tmp_path: Path) -> None:
+    """`sample = 3` of 4, started with --min-agents 2: every round trains both, and the
+    summary's events say so (the job file itself may not ask for more than `agents`)."""
+    spec = JobSpec.from_mapping({"agents": 4, "dataset": "digits", "topology": "star",
+                                 "sample": 3.0})  # fmt: skip
+    c = Coordinator(spec, BrokerConfig.parse("mqtt://127.0.0.1:1"),
+                    Options(out=tmp_path, min_agents=2))  # fmt: skip
+    link = StandInLink()
+    link.online = {"a0", "a1"}
+    c.link = link  # type: ignore[assignment]
+    c.fleet.hellos = {a: {} for a in AGENTS}
+    ck = c._enrol_and_plan()
+    assert sorted(ck.shards) == ["a0", "a1"]
+    [event] = c.events
+    assert "sample=3 asks for more agents a round than the 2 enrolled" in event["why"]

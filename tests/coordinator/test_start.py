@@ -85,3 +85,26 @@ def test_the_folder_lock_names_its_holder_and_is_released_with_it(tmp_path: Path
     with lock_folder(tmp_path) as lock:  # the holder is gone: free again
         assert (tmp_path / ".coordinator.lock").read_text().strip() == str(os.getpid())
         assert lock.fd >= 0
+
+
+@pytest.mark.parametrize("sample", ["7", "5"])
+def test_a_sample_larger_than_the_fleet_is_refused_naming_the_field(
+    tmp_path: Path, sample: str
+) -> None:
+    """`sample = 7` of 4 agents would train all 4 every round, silently (issue 27)."""
+    job = _job(tmp_path)
+    job.write_text(JOB.replace("agents = 2", "agents = 4") + 'topology = "star"\n'
+                   f"sample = {sample}\n")  # fmt: skip
+    result = CliRunner().invoke(app, ["coordinator", "run", str(job), "--broker",
+                                      f"mqtt://127.0.0.1:{free_port()}"])  # fmt: skip
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, text
+    assert f"field 'sample'={sample}" in text and "agents=4" in text, text
+
+
+def test_a_sample_within_the_fleet_is_taken(tmp_path: Path) -> None:
+    from fedring.config import JobSpec
+
+    job = _job(tmp_path)
+    job.write_text(JOB.replace("agents = 2", "agents = 4") + 'topology = "star"\nsample = 4\n')
+    assert JobSpec.from_toml(job).sample == 4
