@@ -10,15 +10,19 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from fedring import build
 from fedring.config import JobSpec
+from fedring.counters import Counters
+from fedring.edge_agent.stage import StageHost
 from fedring.edge_agent.worker import JobWorker
 from fedring.engine.gate import CodeRefused, Gate
 from fedring.engine.task import TaskError
+from fedring.wire.control import ControlCodec, ControlMessage
 from tests.engine.hostile import MARKER_ENV, write_module
 
 
@@ -138,3 +142,21 @@ def test_a_worker_reads_the_jobs_npz_from_its_data_dir_under_the_jobs_name(
     worker = JobWorker("a0", "j", spec, 0, p.manifest.entry(0).to_dict(), p.model_sha256,
                        agent, task=p.task_id.to_dict(), allowed_modules=())  # fmt: skip
     assert worker.task.name == "builtin:npz:set.npz:mlp"
+
+
+def test_a_pipeline_stage_refuses_a_model_factory_with_a_counted_nack(hostile: Hostile) -> None:
+    """The daemon's other runner: a stage of a pipeline job passes the same gate."""
+    sent: list[tuple[str, str, dict[str, Any]]] = []
+    counters = Counters()
+    host = StageHost("a0", ControlCodec("a0", counters=counters), counters,
+                     lambda job, kind, doc, *_, **__: sent.append((job, kind, doc)),
+                     data_dir=None, budget=None, allowed_modules=())  # fmt: skip
+    spec = JobSpec(model=f"{hostile.name}:factory", agents=2, pipeline_stages=2)
+    doc = {"key": "00" * 32, "job": "j", "epoch": 0, "spec": spec.resolved(), "stage": 0,
+           "members": ["a0", "a1"], "starts": [0, 1], "boards": [["a0", 1.0, 1.0]] * 2,
+           "params_sha256": "0" * 64}  # fmt: skip
+    host._on_manifest(ControlMessage("manifest", "j", "coordinator", 0, doc, b"", True))
+    [(job, kind, nack)] = sent
+    assert (job, kind) == ("j", "nack") and "field 'model'" in nack["why"]
+    assert counters.snapshot()["code_refused"] == 1
+    assert not hostile.marker.exists()
