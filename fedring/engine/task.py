@@ -149,10 +149,12 @@ class Source:
 
 
 def module_source(module: ModuleType) -> Source:
-    """`module`'s name and the sha256 of its file as it is on disk now (of its name
-    alone for a module without one: built in, or a namespace package)."""
+    """`module`'s name and the sha256 of its file as it is on disk now, with CRLF read
+    as LF so that a checkout's line endings do not count (of its name alone for a
+    module without a file: built in, or a namespace package)."""
     file = getattr(module, "__file__", None)
     data = Path(file).read_bytes() if file else f"no file: {module.__name__}".encode()
+    data = data.replace(b"\r\n", b"\n")
     return Source(module.__name__, hashlib.sha256(data).hexdigest())
 
 

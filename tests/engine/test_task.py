@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+import types
 import uuid
 from pathlib import Path
 
@@ -17,7 +18,13 @@ from fedring.config import JobSpec, SpecError
 from fedring.edge_agent.worker import JobRefused, JobWorker
 from fedring.engine.gate import CodeRefused, load_task
 from fedring.engine.plan import plan
-from fedring.engine.task import ClassificationTask, TaskError, check_task, task_id
+from fedring.engine.task import (
+    ClassificationTask,
+    TaskError,
+    check_task,
+    module_source,
+    task_id,
+)
 from fedring.sim.runner import simulate
 from fedring.training.datasets import Dataset, DatasetError
 from tests.engine.hostile import write_module
@@ -136,3 +143,17 @@ def test_the_task_id_covers_the_module_the_job_names_not_only_the_tasks_class(
                       task=p.task_id.to_dict(), allowed_modules=(name,))  # fmt: skip
     finally:
         sys.modules.pop(name, None)
+
+
+def test_a_modules_hash_ignores_the_checkouts_line_endings(tmp_path: Path) -> None:
+    """A coordinator's Windows checkout (CRLF) and a board's (LF) hash the same."""
+    text = "def task():\n    return 1\n"
+    lf, crlf = tmp_path / "lf.py", tmp_path / "crlf.py"
+    lf.write_bytes(text.encode())
+    crlf.write_bytes(text.replace("\n", "\r\n").encode())
+    hashes = set()
+    for path in (lf, crlf):
+        module = types.ModuleType("same")
+        module.__file__ = str(path)
+        hashes.add(module_source(module))
+    assert len(hashes) == 1
