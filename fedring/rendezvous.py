@@ -118,7 +118,7 @@ def connect(
     world
         How many agents form the group, this one included; all must say the same.
     key
-        The job's shared secret: every frame carries its HMAC-SHA256.
+        The job's shared secret: every frame is sealed with it (`fedring.wire.seal`).
     username, password
         Broker credentials (with the example ACL, the user name is `agent_id`).
     topology

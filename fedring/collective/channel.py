@@ -1,11 +1,11 @@
 """Payloads to frames and back, between this endpoint and one named peer at a time.
 
 `PeerChannel.send` packs a payload into a body, splits it into compact frames
-(`fedring.wire.compact`: a header of at most 64 B) below the frame limit, signs
-them with the job key, and hands them to the transport.
+(`fedring.wire.compact`: a header of at most 64 B) below the frame limit, seals
+them with the job key (`fedring.wire.seal`), and hands them to the transport.
 `PeerChannel.recv` waits (with a deadline) for the payload a peer sent for one
 position in the schedule (round, step, phase). On the way it refuses and counts
-everything else: malformed frames, bad hashes or MACs, frames for another job,
+everything else: malformed frames, bad hashes or seals, frames for another job,
 repeats of a (src, seq) already seen. Payloads for a later position are kept, as
 checked bytes, until asked for; they are decoded then, with the caller's limits.
 A refused frame never ends the wait: a good copy may still come; if
@@ -94,7 +94,7 @@ class PeerChannel:
     def send(
         self, dst: str, payload: Payload, *, round: int, step: int, phase: str, deadline: Deadline
     ) -> None:
-        """Send `payload` to `dst` as one or more signed frames."""
+        """Send `payload` to `dst` as one or more (sealed, with a key) frames."""
         for data in self._frames(dst, payload, round=round, step=step, phase=phase):
             try:
                 self.endpoint.send(dst, data, deadline)
@@ -131,7 +131,7 @@ class PeerChannel:
     def _frames(
         self, dst: str, payload: Payload, *, round: int, step: int, phase: str
     ) -> list[bytes]:
-        """`payload` as encoded, signed compact frames for `dst`, each below the limit."""
+        """`payload` as encoded (sealed) compact frames for `dst`, each below the limit."""
         meta, body = encode_payload(payload)
         template = Frame(
             kind="chunk", job=self.job, src=self.name, dst=dst, seq=0,

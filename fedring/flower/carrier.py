@@ -1,7 +1,7 @@
 """fedring payloads inside Flower messages, as fedring frames.
 
 A payload travels as the list of encoded fedring frames that `PeerChannel` would
-hand to MQTT (msgpack header, sha256 of the body, HMAC when a key is set), stored
+hand to MQTT (compact header, body digest, or a sealed body when a key is set), stored
 under one key of a Flower `ConfigRecord` (a list of bytes). The receiver decodes
 them with the same bounded, checked path as every other transport, so a
 malformed or oversized payload is a `FrameError`, never an allocation. Nothing

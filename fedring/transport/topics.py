@@ -3,7 +3,7 @@
 An inbox topic ends with the *sender's* id: ``jobs/{job}/to/{dst}/{src}``. The
 broker's ACL lets a client publish only where that last level is its own user
 name (``pattern write fedring/v1/jobs/+/to/+/%u``), so the broker, not the frame,
-vouches for who sent it; the frame's HMAC then ties it to the job. This adds one
+vouches for who sent it; the frame's seal then ties it to the job. This adds one
 level to the architecture's ``jobs/{job}/to/{id}``: without it a receiver could not
 tell one sender from another before decoding, and any agent could pose as the
 coordinator.

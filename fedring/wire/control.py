@@ -5,8 +5,9 @@ are ordinary frames (`wire.frame`) whose body is a small JSON document followed
 by an optional blob (a model's float32 parameters); ``meta["doc"]`` says where the
 document ends. Large bodies are split into parts like ring chunks.
 
-Every control frame carries the job key's HMAC except the enrolment manifest,
-which hands the key out: a receiver accepts an unsigned frame only of kind
+Every control frame is sealed with the job key (`wire.seal`: encrypted and
+authenticated; "signed" below) except the enrolment manifest, which hands the key
+out over the member's own inbox: a receiver accepts an unsigned frame only of kind
 ``manifest``, and only from the coordinator's inbox level, which the broker's ACL
 reserves to the coordinator.
 

@@ -24,7 +24,7 @@ class FrameReason(StrEnum):
     MISSING_FIELD = "missing_field"
     UNKNOWN_FIELD = "unknown_field"
     BAD_SHA256 = "bad_sha256"  # body or reassembled payload does not match its digest
-    BAD_MAC = "bad_mac"  # HMAC missing, unexpected or wrong
+    BAD_MAC = "bad_mac"  # seal missing or unexpected, or it does not open (wrong key, altered)
     BAD_PART = "bad_part"  # part [i, n] inconsistent with its siblings
     UNKNOWN_CODEC = "unknown_codec"
     BAD_DTYPE = "bad_dtype"  # dtype outside the allow-list or not what the codec needs
