@@ -15,20 +15,25 @@ guards, from the cheapest:
   manifests of coordinators that crashed. A broker that binds client ids to user
   names (``use_username_as_clientid``, as docs/deploy.md sets up) allows no such
   look under the coordinator's own user (it would take over a live holder's
-  session): with a user name it is skipped, and the link's own check covers the
-  rest.
-- The link (`MqttLink.taken_over`): after a reconnect, a presence "online" under
-  another session means another process took the id while this one was away; this
-  one stops, without a goodbye (its "offline" would overwrite the holder's presence).
+  session), so the look is anonymous; where the broker refuses it (a broker with
+  users, as deployed), the link's own check is the guard.
+- The link (`MqttLink.taken_over`): whenever it (re)subscribes, a retained presence
+  "online" under another session means another process holds the id; this one steps
+  back (the holder's presence put back, no will, no goodbye) and the coordinator
+  stops. A newcomer under the deployed broker's users costs the holder one
+  reconnect; a stale coordinator that wakes up after the broker took it for lost
+  stops at its first reconnect.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
 import logging
 import os
+import ssl
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +44,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from fedring.transport import topics
-from fedring.transport.mqtt import BrokerConfig, BrokerRefused, BrokerUnreachable
+from fedring.transport.mqtt import BrokerConfig, BrokerRefused, BrokerTlsError, BrokerUnreachable
 
 log = logging.getLogger(__name__)
 MAX_STATUS_BYTES = 1024
@@ -99,10 +104,16 @@ def check_broker(cfg: BrokerConfig) -> None:
     one counts once the broker sends its will: within 1.5 keep-alives); otherwise clear
     every retained job manifest, left by coordinators that crashed (a finished job
     clears its own, and only one coordinator is ever online at a broker: a resumed job
-    publishes its manifest again). Skipped where a user name is set (see above)."""
-    if cfg.username is not None:
+    publishes its manifest again). The look is anonymous; a broker that refuses it
+    (one with users, as deployed) leaves the link's own check (see above)."""
+    look = dataclasses.replace(cfg, username=None, password=None)
+    try:
+        retained = _peek(look, [topics.status(topics.COORDINATOR), topics.manifest("+")])
+    except BrokerRefused as exc:
+        if isinstance(exc, BrokerTlsError):
+            raise
+        log.info("no anonymous look at %s (%s): the link checks its id itself", cfg.url, exc)
         return
-    retained = _peek(cfg, [topics.status(topics.COORDINATOR), topics.manifest("+")])
     holder = _online(retained.pop(topics.status(topics.COORDINATOR), b""))
     if holder is not None:
         job = f", job {holder['job']!r}" if holder.get("job") else ""
@@ -151,8 +162,6 @@ def _peek(cfg: BrokerConfig, filters: list[str], clear: Sequence[str] = ()) -> d
 
     client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311, clean_session=True,
                          client_id=f"fedring-coordinator-peek-{os.urandom(4).hex()}")  # fmt: skip
-    if cfg.tls:
-        client.tls_set(ca_certs=cfg.ca, certfile=cfg.cert, keyfile=cfg.key)
     client.on_connect, client.on_message = on_connect, on_message
     # The broker answers a subscription after sending what it retained, and the
     # unsubscription after that: once it is answered, everything retained is in.
@@ -160,7 +169,11 @@ def _peek(cfg: BrokerConfig, filters: list[str], clear: Sequence[str] = ()) -> d
     client.on_unsubscribe = lambda *_: done.set()
     client.connect_timeout = cfg.connect_timeout_s
     try:
+        if cfg.tls:
+            client.tls_set(ca_certs=cfg.ca, certfile=cfg.cert, keyfile=cfg.key)
         client.connect(cfg.host, cfg.port, keepalive=max(cfg.keepalive, 5))
+    except ssl.SSLError as exc:  # the link names the file at fault: let it say so
+        raise BrokerTlsError(f"TLS with broker {cfg.url} failed: {exc}") from None
     except (OSError, ValueError) as exc:
         raise BrokerUnreachable(f"broker {cfg.url}: {exc}") from exc
     client.loop_start()
@@ -175,5 +188,5 @@ def _peek(cfg: BrokerConfig, filters: list[str], clear: Sequence[str] = ()) -> d
         client.disconnect()
         client.loop_stop()
     if refused:
-        raise BrokerRefused(f"broker {cfg.url} refused an anonymous look: {refused[0]}")
+        raise BrokerRefused(f"broker {cfg.url} refused the look: {refused[0]}")
     return seen

@@ -157,3 +157,30 @@ def test_a_starting_coordinator_clears_the_manifests_a_crashed_one_left(
     proc = coordinator(broker.url, job_toml(tmp_path), tmp_path / "run", "--enrol-timeout", "2")
     assert _stopped(proc, 30) == 1  # no agent: it gives up, after clearing
     assert _retained(broker, topic) == []
+
+
+def test_at_a_broker_with_users_the_second_coordinator_steps_back(tmp_path: Path) -> None:
+    """As deployed (users, client id = user name), nobody may look at the broker before
+    connecting: the second coordinator connects, finds the id held, puts the holder's
+    presence back and stops; the first reconnects once and goes on."""
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    login = ("--password-file", str(secret))
+    with Mosquitto(users={"coordinator": "s3cret"}, workdir=tmp_path / "broker") as b:
+        job = job_toml(tmp_path, rounds=10)
+        out = tmp_path / "first"
+        first = coordinator(b.url, job, out, "--enrol-timeout", "60", *login, user="coordinator")
+        try:
+            wait_for(lambda: _waiting(out), 30, "the first coordinator to wait for agents")
+            other = tmp_path / "second"
+            second = coordinator(b.url, job, other, "--enrol-timeout", "60", *login,
+                                 user="coordinator")  # fmt: skip
+            code = _stopped(second, 30)
+            text = " ".join(_log(other).split())
+            assert code == 1 and "stepped back" in text, text
+            time.sleep(4)  # the first reconnects once and stays
+            assert first.poll() is None, _log(out)
+            assert _log(out).count("lost the broker") <= 1, _log(out)
+        finally:
+            first.kill()
+            first.wait(5)
