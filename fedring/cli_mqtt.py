@@ -199,7 +199,7 @@ def coordinator_run(
     """Enrol agents, shard the data, run the rounds, checkpoint every round, report."""
     from fedring.config import JobSpec
     from fedring.coordinator.checkpoint import CheckpointError
-    from fedring.coordinator.lease import CoordinatorBusy, check_broker, lock_folder
+    from fedring.coordinator.lease import CoordinatorBusy, lock_folder
     from fedring.coordinator.pipeline import PipelineCoordinator
     from fedring.coordinator.service import Coordinator, CoordinatorError, Options
     from fedring.transport.mqtt import BrokerRefused, BrokerUnreachable
@@ -214,10 +214,9 @@ def coordinator_run(
     except ValueError as exc:
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
-    try:  # one job, one coordinator: the folder first, then the broker's coordinator id
+    try:  # one job, one coordinator: this folder here, the broker's id as the run connects
         lock = lock_folder(out)
-        check_broker(cfg)
-    except (CoordinatorBusy, BrokerUnreachable, BrokerRefused) as exc:
+    except CoordinatorBusy as exc:
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
     with lock, Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
@@ -236,6 +235,9 @@ def coordinator_run(
         except CheckpointError as exc:
             err.print(f"[red]error: {escape(str(exc))}[/red]")
             raise typer.Exit(2) from None
+        except CoordinatorBusy as exc:
+            err.print(f"[red]error: {escape(str(exc))}[/red]")
+            raise typer.Exit(1) from None
         except (CoordinatorError, BrokerUnreachable, BrokerRefused) as exc:
             err.print(f"[red]run failed: {escape(str(exc))}[/red]")
             raise typer.Exit(1) from None

@@ -40,6 +40,7 @@ import torch
 from fedring.build import task_of
 from fedring.config import JobSpec
 from fedring.coordinator import pipeline_files as files
+from fedring.coordinator.lease import check_broker
 from fedring.coordinator.membership import number
 from fedring.coordinator.outputs import append_row
 from fedring.coordinator.pipeline_fleet import (
@@ -104,6 +105,7 @@ class PipelineCoordinator:
         task = task_of(spec)
         data = task.dataset(spec.seed)
         layers = meta_layers(spec.model, data.feature_shape, data.num_classes)
+        check_broker(self.cfg)  # one coordinator at a broker (`lease`)
         self.fleet.link.connect()
         try:
             members = self.fleet.enrol(spec.agents, self.opts.enrol_timeout_s)

@@ -43,6 +43,7 @@ from fedring.coordinator.centre import StarCentre
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.coordinator.collectives import CollectivePlans
 from fedring.coordinator.degrade import Degrade
+from fedring.coordinator.lease import check_broker
 from fedring.coordinator.manifest import segment_docs
 from fedring.coordinator.membership import Fleet, Suspects, number, reported_lost
 from fedring.counters import Counters
@@ -128,6 +129,7 @@ class Coordinator:
     def run(self) -> dict[str, Any]:
         self.start = time.perf_counter()
         saved = Checkpoint.load(self.opts.out) if self.opts.resume else None  # before the broker
+        check_broker(self.cfg)  # one coordinator at a broker (`lease`)
         self.link = MqttLink(
             self.cfg, topics.COORDINATOR, control_from=("*",), listen_hellos=True, watch=True,
             counters=self.counters,
