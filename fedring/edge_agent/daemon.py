@@ -227,7 +227,6 @@ class AgentDaemon:
                     if opens_centre(spec) else None
                 )  # fmt: skip
                 self.link_bytes_at_job = self.link.stats.bytes_sent
-                self.counters_at_job = self.counters.snapshot()  # bye reports this job's
         except (KeyError, TypeError, ValueError, SpecError, ShardError, DatasetError) as exc:
             self.counters.add("job_refused")
             if isinstance(exc, CodeRefused):  # code or a path this agent does not allow

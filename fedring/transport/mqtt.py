@@ -389,13 +389,13 @@ class MqttLink:
         from each other at every reconnect, for as long as both live. Its presence is
         put back as it was and we leave without a will; the owner reads `taken_over`."""
         try:
-            if not msg.retain or self._closed or len(msg.payload) > _MAX_STATUS_BYTES:
+            if not msg.retain or self._closed:
                 return
             try:
-                doc = json.loads(msg.payload)
-            except ValueError:
+                doc = parse_document(msg.payload, max_bytes=_MAX_STATUS_BYTES, what="status")
+            except ValueError:  # a FrameError: not a presence a link of ours wrote
                 return
-            if not isinstance(doc, dict) or doc.get("state") != "online":
+            if doc.get("state") != "online":
                 return
             session = str(doc.get("session", ""))
             if session in ("", self.session):
@@ -592,7 +592,7 @@ class MqttLink:
         if who == self.me:
             return
         state, session, job, keepalive = "offline", "", "", float(self.cfg.keepalive)
-        if payload and len(payload) <= _MAX_STATUS_BYTES:
+        if payload:  # an oversized one is refused (counted) by the parser
             try:
                 doc = parse_document(payload, max_bytes=_MAX_STATUS_BYTES, what="status")
                 state, session = str(doc.get("state", "offline")), str(doc.get("session", ""))
