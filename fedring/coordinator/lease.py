@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
-import json
 import logging
 import os
 import ssl
@@ -45,6 +44,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from fedring.transport import topics
 from fedring.transport.mqtt import BrokerConfig, BrokerRefused, BrokerTlsError, BrokerUnreachable
+from fedring.wire.errors import FrameError
+from fedring.wire.jsondoc import parse_document
 
 log = logging.getLogger(__name__)
 MAX_STATUS_BYTES = 1024
@@ -131,13 +132,14 @@ def check_broker(cfg: BrokerConfig) -> None:
 
 def _online(payload: bytes) -> dict[str, Any] | None:
     """A retained presence that says "online" (someone holds the id), else None."""
-    if not payload or len(payload) > MAX_STATUS_BYTES:
+    if not payload:
         return None
     try:
-        doc = json.loads(payload)
-    except ValueError:
+        doc = parse_document(payload, max_bytes=MAX_STATUS_BYTES, what="coordinator status")
+    except FrameError as exc:
+        log.warning("the coordinator's retained status is unreadable: %s", exc)
         return None
-    return doc if isinstance(doc, dict) and doc.get("state") == "online" else None
+    return doc if doc.get("state") == "online" else None
 
 
 def _peek(cfg: BrokerConfig, filters: list[str], clear: Sequence[str] = ()) -> dict[str, bytes]:
