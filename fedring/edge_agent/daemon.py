@@ -48,6 +48,7 @@ from fedring.transport.base import Deadline, TransportError
 from fedring.transport.mqtt import BrokerConfig, Control, MqttEndpoint, MqttLink
 from fedring.wire.control import ControlCodec, ControlMessage
 from fedring.wire.errors import FrameError, FrameReason
+from fedring.wire.frame import decode_frame
 
 log = logging.getLogger(__name__)
 SEND_S = 10.0
@@ -126,7 +127,7 @@ class AgentDaemon:
         self.link = MqttLink(self.cfg, self.me, counters=self.counters).connect()
         self._hello()
         log.info("agent %s ready on %s", self.me, self.cfg.url)
-        while not self.stop.is_set():
+        while not self.stop.is_set() and not self.link.taken_over:
             try:
                 item = self.link.control.get(timeout=0.2)
             except queue.Empty:
@@ -140,6 +141,9 @@ class AgentDaemon:
         self.stages.halt("shutting down")
         self._join()
         self.stages.join()
+        if self.link.taken_over:  # another process is this agent: leave its presence alone
+            log.error("agent %s stopped: %s", self.me, self.link.taken_over)
+            return 1
         self.link.publish(topics.hello(self.me), b"", Deadline.after(2.0), retain=True)
         self.link.close("offline")
         log.info("agent %s stopped; counters %s", self.me, self.counters.snapshot())
@@ -166,6 +170,13 @@ class AgentDaemon:
                 self.stages.halt(f"coordinator {item.event.kind}")
             return
         if item.kind != "frame":
+            return
+        if self.codec.key is None and _sealed(item.data):
+            # Queued by the broker for an earlier process of ours (our session outlives a
+            # restart): sealed with a job key this process never had. Not an attack.
+            self.counters.add("frame_before_manifest")
+            log.info("%s dropped a sealed frame of job %r sent before it started",
+                     self.me, item.job)  # fmt: skip
             return
         msg = self.codec.decode(item.src, item.data)
         if msg is None or (self.link is not None and self.stages.handle(msg, self.link)):
@@ -315,6 +326,7 @@ class AgentDaemon:
                             self.me, seg.epoch, worker.committed, exc)  # fmt: skip
                 self._send(seg.job, "nack", {
                     "epoch": seg.epoch, "committed": worker.committed, "why": str(exc),
+                    "lost": getattr(exc, "peer", ""),  # a suspect until the watch decides
                     "sha256": worker.state_sha256(worker.committed) or "",  # held: resumable
                 })  # fmt: skip
             except Exception as exc:  # a bug or a bad job: report it, keep the daemon up
@@ -370,6 +382,15 @@ class AgentDaemon:
         except TransportError as exc:
             self.counters.add("send_failed")
             log.warning("%s could not send %s to the coordinator: %s", self.me, kind, exc)
+
+
+def _sealed(data: bytes) -> bool:
+    """Whether a control frame is sealed (it does not decode without a key)."""
+    try:
+        decode_frame(data, None)
+    except FrameError as exc:
+        return exc.reason is FrameReason.BAD_MAC
+    return False
 
 
 def _env_float(name: str) -> float:

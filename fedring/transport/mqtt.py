@@ -381,6 +381,7 @@ class MqttLink:
     # -- one process per id (issue 27) --------------------------------------------
 
     taken_over = ""  # why this link stepped back for another holder of its id ("": never)
+    _resumed = False  # the latest subscription was made on a reconnect
 
     def _on_own_status(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
         """Our presence as the broker retained it when we (re)subscribed: "online" under
@@ -389,7 +390,7 @@ class MqttLink:
         from each other at every reconnect, for as long as both live. Its presence is
         put back as it was and we leave without a will; the owner reads `taken_over`."""
         try:
-            if not msg.retain or self._closed:
+            if not msg.retain or self._closed or (self._v5 and not self._resumed):
                 return
             try:
                 doc = parse_document(msg.payload, max_bytes=_MAX_STATUS_BYTES, what="status")
@@ -402,7 +403,8 @@ class MqttLink:
                 return
             self.taken_over = (
                 f"another process holds the id {self.me!r} at {self.cfg.url} (session "
-                f"{session}); this one ({self.session}) stepped back"
+                f"{session}); this one ({self.session}) stepped back (if no other process "
+                f"holds it, clear its presence: mosquitto_pub -r -n -t {msg.topic})"
             )
             log.error("%s", self.taken_over)
             self.counters.add("id_taken_over")
@@ -467,6 +469,10 @@ class MqttLink:
         sock = client.socket()
         if isinstance(sock, socket.socket):  # small QoS 1 frames: Nagle would add ~40 ms each
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Under MQTT 5 a restarted process's first connect resumes its predecessor's session,
+        # which cancels the predecessor's delayed will: the retained "online" it finds may
+        # be a dead process's, so only a reconnect's may make it step back (`_on_own_status`).
+        self._resumed = self._connack is not None and self._connack[0]
         subs = [topics.my_inboxes(self.me), f"{topics.ROOT}/agents/+/status", topics.probe(self.me)]
         if self._listen_hellos:
             subs += [f"{topics.ROOT}/agents/+/hello", f"{topics.ROOT}/jobs/+/metrics/+"]

@@ -198,3 +198,24 @@ def test_watchers_see_a_clean_goodbye_as_left(broker: Mosquitto) -> None:
         assert events == ["joined", "left"], events
     finally:
         watcher.close()
+
+
+@pytest.mark.parametrize("protocol", ["3.1.1", "5"])
+def test_a_process_restarted_at_once_is_not_taken_for_another_holder_of_its_id(
+    broker: Mosquitto, protocol: str
+) -> None:
+    """A link steps back when another live process holds its id (`taken_over`), but a
+    board restarted within the will's delay finds its dead predecessor's "online" still
+    retained (MQTT 5 resumes the session and cancels the will): that is no holder."""
+    cfg = BrokerConfig.parse(broker.url, protocol=protocol)
+    me = f"restart-{protocol.replace('.', '')}"
+    before = MqttLink(cfg, me).connect()
+    time.sleep(0.3)
+    before.kill()
+    after = MqttLink(cfg, me).connect()
+    try:
+        time.sleep(1.0)  # its own presence, as retained, has come back to it
+        assert after.taken_over == ""
+        assert after.counters.get("id_taken_over") == 0
+    finally:
+        after.close()
