@@ -1,12 +1,12 @@
 # Two commands do everything on a fresh machine (see README.md):
 #   make demo   create .venv and run the main job
-#   make test   create .venv, lint, and run the test suite
+#   make test   create .venv, lint (docs build included), and run the test suite
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup broker demo test lint bench clean
+.PHONY: setup broker demo test lint docs bench clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,12 @@ lint: setup
 	$(BIN)/ruff check fedring tests bench examples
 	$(BIN)/mypy fedring
 	$(BIN)/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+# The docs site (mkdocs.yml): warnings are errors, so a broken link or an unreadable
+# docstring fails `make lint` and `make test` too. Output in site/ (ignored by git).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # The MQTT tests start a real Mosquitto on loopback; install it when we can.
 broker:
@@ -44,4 +50,4 @@ bench: setup
 	$(BIN)/python bench/onnx_eval.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site
