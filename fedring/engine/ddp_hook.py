@@ -64,7 +64,8 @@ from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import PayloadLimits
 from fedring.compression.sparse import SparseGroups
-from fedring.compression.values import ValueDtype
+from fedring.compression.settings import check_codec
+from fedring.compression.values import VALUE_DTYPES, ValueDtype
 
 _DDP_REBUILD_STEPS = 2  # DDP rebuilds its buckets after step 0; residuals must wait for that
 _COUNTERS = ("iter", "sent_bytes", "payload_bytes", "dense_equivalent_bytes")
@@ -106,10 +107,12 @@ class GroupTopKState:
         *,
         density: float = 0.01,
         group_size: int = 256,
-        value_dtype: ValueDtype = "fp32",
+        value_dtype: ValueDtype = "fp16",
         start_compress_iter: int = 10,
         use_error_feedback: bool = True,
     ) -> None:
+        check_codec(density=density, group_size=group_size, value_dtype=value_dtype,
+                    value_dtypes=VALUE_DTYPES)  # shared with ReducerSettings and JobSpec
         if start_compress_iter < 0:
             raise ValueError(f"start_compress_iter={start_compress_iter} must be >= 0")
         if use_error_feedback and start_compress_iter < _DDP_REBUILD_STEPS:

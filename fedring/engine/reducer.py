@@ -43,6 +43,7 @@ from fedring.compression.group_topk import GroupTopK, k_for
 from fedring.compression.payload import Payload, PayloadLimits
 from fedring.compression.quantize import DenseCodec, SignQuantizer
 from fedring.compression.schedule import DensitySchedule
+from fedring.compression.settings import DEFAULT_VALUE_DTYPE, SettingsError, check_codec
 from fedring.engine.centre import STAR, Centre
 from fedring.transport.base import Deadline
 
@@ -52,18 +53,50 @@ Collective = Ring | Torus | Fanout | Hub
 
 @dataclass(frozen=True)
 class ReducerSettings:
-    """How vectors are compressed on their way through the collective."""
+    """How vectors are compressed on their way through the collective.
+
+    Every field is checked when the settings are built (`check_codec`, the one check
+    that job files, the Flower mod and the DDP hook share): an unknown codec name,
+    a density outside (0, 1] or an unknown value dtype raises `SettingsError` naming
+    the field, instead of running dense or clamping k.
+
+    Parameters
+    ----------
+    compression : {"group-topk", "none"}
+        Group-top-k with error feedback, or the plain fp32 ring.
+    density : float
+        Fraction kept in every group of `group_size`, in (0, 1]; tune it first.
+    group_size : int
+        G; up to 256 gives one-byte indices.
+    value_dtype : {"fp16", "fp32", "bf16", "int8"}
+        How kept values travel; fp16 by default here and in the DDP hook.
+    timeout_s : float or None
+        Deadline of a star exchange (a round trip through the centre). None, the
+        default, takes the group's `timeout_s`, the one deadline of every collective
+        step; set it only to give the star another deadline.
+    """
 
     compression: Literal["none", "group-topk"] = "group-topk"
     density: float = 0.01  # kept fraction per group
     group_size: int = 256  # G; <= 256 gives uint8 indices
-    value_dtype: Literal["fp32", "fp16", "bf16", "int8"] = "fp16"
+    value_dtype: Literal["fp32", "fp16", "bf16", "int8"] = DEFAULT_VALUE_DTYPE  # type: ignore[assignment]
     error_feedback: bool = True  # off only to measure its effect
     momentum_correction: float = 0.0  # DGC: momentum inside error feedback (0 = off)
     density_warmup: int = 0  # rounds per DGC warm-up stage; 0 = off
     policy: Literal["bounded", "exact"] = "bounded"  # sparse ring policy
     sign_feedback: bool = False  # error feedback for the sign vote (signSGD with EF)
-    timeout_s: float = 60.0  # deadline of a star exchange
+    timeout_s: float | None = None  # star exchange; None: the group's timeout_s
+
+    def __post_init__(self) -> None:
+        check_codec(compression=self.compression, density=self.density,
+                    group_size=self.group_size, value_dtype=self.value_dtype,
+                    policy=self.policy)  # fmt: skip
+        if not 0.0 <= self.momentum_correction < 1.0:
+            raise SettingsError("momentum_correction", self.momentum_correction, "in [0, 1)")
+        if type(self.density_warmup) is not int or self.density_warmup < 0:
+            raise SettingsError("density_warmup", self.density_warmup, "an integer >= 0")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise SettingsError("timeout_s", self.timeout_s, "a number > 0, or None")
 
     @property
     def k(self) -> int:
@@ -133,6 +166,12 @@ class Reducer:
     @property
     def world(self) -> int:
         return self.collective.world
+
+    @property
+    def timeout_s(self) -> float:
+        """Deadline of a star exchange: the settings' own, else the group's."""
+        t = self.settings.timeout_s
+        return self.collective.timeout_s if t is None else t
 
     @property
     def residual_norm(self) -> float:
@@ -206,7 +245,7 @@ class Reducer:
     def star(self, vec: torch.Tensor, *, round: int, scale: float = 1.0) -> torch.Tensor:
         """Send ``scale * vec``, compressed, to the centre; return what it decides."""
         centre = self.centre or Centre(self.channel)
-        deadline = Deadline.after(self.settings.timeout_s)
+        deadline = Deadline.after(self.timeout_s)
         centre.channel.send(
             centre.name, self.compress(vec * scale if scale != 1.0 else vec, round),
             round=round, step=0, phase="up", deadline=deadline,
@@ -222,7 +261,7 @@ class Reducer:
         centre = self.centre or Centre(self.channel)
         result = centre.channel.recv(
             centre.name, round=round, step=0, phase="down",
-            deadline=Deadline.after(self.settings.timeout_s),
+            deadline=Deadline.after(self.timeout_s),
             limits=PayloadLimits(max_numel=self.numel),
         )  # fmt: skip
         return result.decompress()

@@ -84,6 +84,8 @@ from flwr.common.logger import log
 
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
+from fedring.compression.settings import check_codec
+from fedring.compression.values import VALUE_DTYPES
 from fedring.flower import carrier
 from fedring.flower.uplink_record import (
     RECORD,
@@ -171,6 +173,8 @@ def make_group_topk_mod(
 ) -> Mod:
     """A client mod compressing the train reply's stamped ArrayRecord (see module doc);
     `sit_out` is the policy for a node back from rounds it did not train."""
+    check_codec(density=density, group_size=group_size, value_dtype=value_dtype,
+                value_dtypes=VALUE_DTYPES)  # the check ReducerSettings and JobSpec share
     topk = GroupTopK.from_density(density, group_size, value_dtype)  # type: ignore[arg-type]
     policy = SitOut.parse(sit_out)
 
