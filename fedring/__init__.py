@@ -9,7 +9,11 @@ The library API (imported on first use, so ``import fedring`` stays light)::
     groups = fedring.local_group(4)                       # or a group from a manifest
     reducer = fedring.Reducer(groups[rank].collective, numel, fedring.ReducerSettings())
     opt = fedring.DistributedOptimizer(torch.optim.AdamW(model.parameters()), reducer,
-                                       model=model)
+                                       model=model)   # rank 0's start, sent to every member
+    groups[rank].stats()                                  # bytes and frames, sent and received
+
+With torch.distributed instead: ``ddp.register_comm_hook(fedring.GroupTopKState(),
+fedring.group_topk_hook)``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ _API = {
     "plan": "fedring.engine.plan",
     "Plan": "fedring.engine.plan",
     "prepare": "fedring.engine.plan",
+    "GroupStats": "fedring.engine.group",
+    "InitialModelMismatch": "fedring.engine.initial",
+    "DirectStepError": "fedring.engine.steps",
+    "StepMismatch": "fedring.engine.steps",
+    "SettingsError": "fedring.compression.settings",
+    # The DDP communication hook (fedring.engine.ddp_hook), for torch.distributed users:
+    # ddp.register_comm_hook(fedring.GroupTopKState(density=0.01), fedring.group_topk_hook)
+    "GroupTopKState": "fedring.engine.ddp_hook",
+    "group_topk_hook": "fedring.engine.ddp_hook",
 }
 __all__ = sorted(_API)
 

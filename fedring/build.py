@@ -214,7 +214,7 @@ def member(
     numel = sum(p.numel() for p in model.parameters())
     reducer = Reducer(collective, numel, reducer_settings(spec), centre=centre)
     opt = DistributedOptimizer(inner, reducer, sync_settings(spec), model=model, weight=weight,
-                               yielder=yielder)  # fmt: skip
+                               yielder=yielder, initial="trust")  # start hash-checked: prepare
     sampler = ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=rank)
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,13 @@
 """A distributed optimizer: any `torch.optim` optimizer, with its updates agreed by a group.
 
-    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), reducer)
+    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), reducer,
+                               model=model)   # every member now holds rank 0's start
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)   # takes it directly
     for x, y in loader:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()          # the group agrees on the gradient, then AdamW steps
+        sched.step()
 
 Modes (`SyncSettings.mode`):
 
@@ -21,10 +24,15 @@ Modes (`SyncSettings.mode`):
 Flattening order: the parameters of ``optimizer.param_groups``, group by group, in
 the order each group lists them (for ``SGD(model.parameters())`` that is
 `model.parameters()` order); parameters without a gradient this step count as
-zeros. Buffers (BatchNorm running statistics) of `model`, when given, are
-averaged over the group at every sync point; integer buffers
-(``num_batches_tracked``) are counters, equal on every member that took the same
-steps, and stay integer and local.
+zeros, and frozen ones (``requires_grad=False``) are never given a gradient.
+Every buffer of `model` starts as rank 0's (`engine.initial`); the running
+statistics (``running_mean``, ``running_var``: BatchNorm's) are averaged over the
+group at every sync point; other buffers, integer ones (``num_batches_tracked``,
+a counter equal on members that took the same steps) included, stay local.
+
+Guards (`engine.steps`): the wrapped optimizer's own ``step()`` raises
+`DirectStepError`; a timed-out exchange whose peers are on other rounds raises
+`StepMismatch` naming them and both steps.
 
 Aggregation: ``mean`` and ``weighted`` sum ``weight * vec`` around the ring (or
 at the centre of a star, `SyncSettings.star`); ``vote`` is signSGD's majority;
@@ -44,15 +52,17 @@ vs 0.879) and momentum SGD collapses (0.669, 0.299); DGC recovers part of it.
 anchor of local mode and the round: plain tensors and numbers, so it round-trips
 through ``torch.save`` and ``torch.load(weights_only=True)``.
 
-Why one module of about 300 lines: `step` reads top to bottom through the three
-paths (every step, local deltas, delayed update) that share the flattening, the
-buffers and the state; the collective is in `reducer`, bucket overlap in `overlap`.
+Why one module of about 500 lines (a third of it docstrings): `step` reads top to
+bottom through the three paths (every step, local deltas, delayed update) that
+share the flattening, the buffers and the state; the collective is in `reducer`,
+bucket overlap in `overlap`, the common start in `initial`, the step guards in `steps`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -60,13 +70,18 @@ import torch
 from torch import nn
 
 from fedring.aggregation.rules import Aggregation, hybrid
+from fedring.collective.channel import CollectiveTimeout
+from fedring.engine.initial import INITIAL_POLICIES, InitialPolicy, start_together
 from fedring.engine.overlap import BucketOverlap, CommThread, Yielder
 from fedring.engine.participation import SitOut, per_round, sampled
 from fedring.engine.reducer import Reducer
-from fedring.training.models import flat_grads, flat_params, set_flat_grads, set_flat_params
+from fedring.engine.steps import InnerStepGuard, diagnosed
+from fedring.training.models import flat_grads, flat_params, set_flat_params
 from fedring.transport.base import Deadline
 
 BUFFERS_BUCKET = -1  # frame tag of the buffers' all-reduce, apart from the gradient's
+RUNNING_STATS = ("running_mean", "running_var")  # the buffers averaged at each sync
+_UNSET: Any = object()  # `model=` not passed at all (None is a choice: no buffers)
 
 
 @dataclass(frozen=True)
@@ -108,8 +123,52 @@ class _Delayed:
     comm: CommThread | None = field(default=None, repr=False)
 
 
-class DistributedOptimizer:
-    """Wraps a `torch.optim.Optimizer`; a `Reducer` agrees on its updates."""
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps a `torch.optim.Optimizer`; a `Reducer` agrees on its updates.
+
+    It is a `torch.optim.Optimizer` itself, so `torch.optim.lr_scheduler` takes it
+    directly (``StepLR(opt, ...)``, ``OneCycleLR(opt, ...)``): `param_groups`,
+    `defaults` and `state` are the wrapped optimizer's, and a scheduler's changes of
+    ``lr`` reach it. Step the scheduler after `step`, as with any optimizer.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+        The optimizer that steps once the group agreed; never call its own
+        ``step()`` (it raises `DirectStepError`: one member stepping alone leaves the
+        group waiting).
+    reducer : Reducer
+        This member's reducer over the group's collective.
+    settings : SyncSettings, optional
+        When and how the group agrees (every step by default).
+    model : nn.Module or None
+        Required. Its buffers are sent from rank 0 with the parameters at the start,
+        and its running statistics (buffers named ``running_mean`` and
+        ``running_var``, as torch's BatchNorm and InstanceNorm name them) are
+        averaged at every sync point; other buffers stay each member's own. Pass
+        ``model=None`` only for a model without buffers.
+    weight : float, optional
+        This member's share of the mean; 1 / world by default.
+    initial : {"broadcast", "verify", "trust"}
+        How members start alike (`engine.initial`): ``"broadcast"`` (default, as
+        DDP) copies rank 0's parameters and buffers into every member while it is
+        built; ``"verify"`` only compares sha256 digests and raises
+        `InitialModelMismatch` on a member that differs; ``"trust"`` exchanges
+        nothing (the caller checked the start, as `engine.plan.prepare` does).
+        Rank 0 sends and goes on; every other member waits up to the group's
+        `timeout_s` for it, so build the members on threads or rank 0 first.
+
+    Notes
+    -----
+    Parameters with ``requires_grad=False`` keep their place in the flat vector
+    (as zeros) but are never given a ``.grad``, so the wrapped optimizer (AdamW's
+    weight decay included) leaves them untouched. To clip, clip this member's own
+    gradient after ``backward()`` and before `step` (``clip_grad_norm_``): the
+    group then agrees on clipped gradients (the agreed gradient is written into
+    ``.grad`` inside `step`, too late for clipping there).
+    Exchanges are tagged with `round`; a member whose peers are on other rounds
+    raises `StepMismatch` naming them when its wait runs out.
+    """
 
     def __init__(
         self,
@@ -117,10 +176,27 @@ class DistributedOptimizer:
         reducer: Reducer,
         settings: SyncSettings | None = None,
         *,
-        model: nn.Module | None = None,
+        model: nn.Module | None = _UNSET,
         weight: float | None = None,
         yielder: Yielder | None = None,
+        initial: InitialPolicy = "broadcast",
     ) -> None:
+        # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer holds the
+        # parameter groups, defaults and state that this one shows (see the properties).
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer)}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer is already a DistributedOptimizer: wrap the inner one")
+        if model is _UNSET:
+            raise TypeError(
+                "DistributedOptimizer needs model=: pass model=your_model (its buffers start "
+                "from rank 0's and its BatchNorm statistics are averaged over the group), "
+                "or model=None for a model without buffers"
+            )
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module or None, not {type(model).__name__}")
+        if initial not in INITIAL_POLICIES:
+            raise ValueError(f"initial={initial!r} must be one of {', '.join(INITIAL_POLICIES)}")
         self.optimizer = optimizer
         self.reducer = reducer
         self.settings = settings or SyncSettings()
@@ -130,12 +206,11 @@ class DistributedOptimizer:
         if numel != reducer.numel:
             raise ValueError(f"optimizer holds {numel} parameters, the reducer {reducer.numel}")
         self.weight = 1.0 / reducer.world if weight is None else weight
-        self.buffers = _float_buffers(model)
+        self.buffers = _running_stats(model)
         self.yielder = yielder
         self.round = 0  # agreements so far: steps in sync mode, syncs in local mode
         self.local_step = 0  # local mode: steps since the last sync
         self.local_steps = self.settings.local_steps  # H; the adaptive mode changes it
-        self.anchor = flat_params(self.params)  # local mode: the last synced parameters
         self.times = StepTimes()
         self.grad_norm = 0.0  # of the last local gradient, before any agreement
         self.delayed = _Delayed()
@@ -153,16 +228,53 @@ class DistributedOptimizer:
                 f"update_delay={s.update_delay} needs 0 or 1, sync mode and bucket_kb=0, "
                 f"not mode={s.mode!r}, bucket_kb={s.bucket_kb}"
             )
+        c = reducer.collective
+        every_buffer = list(model.buffers()) if model is not None else []
+        start_together(reducer.channel, c.members, self.params + every_buffer, initial,
+                       c.timeout_s)  # fmt: skip
+        self.anchor = flat_params(self.params)  # local mode: the last synced parameters
         self.overlap = (
             BucketOverlap(self.params, reducer, s.bucket_kb, yielder,
                           context=lambda: (self.round, self.weight))
             if s.bucket_kb and s.mode == "sync"
             else None
         )
+        self._guard = InnerStepGuard(optimizer)
+
+    # -- what torch.optim.lr_scheduler reads and writes: the wrapped optimizer's -----
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise TypeError(
+            "DistributedOptimizer's flat layout is fixed when it is built: add the group "
+            "to the wrapped optimizer before wrapping it (and size the reducer for it)"
+        )
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r}, mode={self.settings.mode!r})"
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -181,14 +293,15 @@ class DistributedOptimizer:
     def sit_out(self) -> None:
         """A round this member is not sampled for: no training, only the centre's
         result, applied as every trained member applies it."""
-        agreed = self.reducer.star_result(round=self.round)
+        with self._diagnosing():
+            agreed = self.reducer.star_result(round=self.round)
         if self.settings.mode == "local":
             self.anchor = self.anchor + agreed
             set_flat_params(self.params, self.anchor)
             self.local_step = 0
         else:
-            set_flat_grads(self.params, agreed)
-            self.optimizer.step()
+            self._write_grads(agreed)
+            self._inner_step()
         self.round += 1
         self._sync_buffers()
 
@@ -215,28 +328,34 @@ class DistributedOptimizer:
             agreed = hybrid(agreed, vec, self.rule.lam(r, self.settings.rounds))
         return agreed
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Sync mode: agree on the gradient and step. Local mode: step locally, and
-        agree on the parameter deltas every `local_steps` steps."""
+        agree on the parameter deltas every `local_steps` steps.
+
+        Every member must call it the same number of times: a member whose peers
+        are on another step raises `StepMismatch` (a `CollectiveTimeout`) naming
+        them, after the group's `timeout_s`.
+        """
         if closure is not None:
             raise ValueError("DistributedOptimizer.step takes no closure: call backward first")
         if self.settings.mode == "local":
             self._local_step()
             return
         start = time.perf_counter()
-        if self.settings.update_delay:
-            total = self._delayed_total()
-        elif self.overlap is not None:
-            total, self.times.comm_s = self.overlap.collect()
-            self.grad_norm = self.overlap.grad_norm
-        else:
-            grad = flat_grads(self.params)
-            self.grad_norm = float(grad.norm())
-            total = self.agree(grad)
-            self.times.comm_s = time.perf_counter() - start
+        with self._diagnosing():
+            if self.settings.update_delay:
+                total = self._delayed_total()
+            elif self.overlap is not None:
+                total, self.times.comm_s = self.overlap.collect()
+                self.grad_norm = self.overlap.grad_norm
+            else:
+                grad = flat_grads(self.params)
+                self.grad_norm = float(grad.norm())
+                total = self.agree(grad)
+                self.times.comm_s = time.perf_counter() - start
         if total is not None:
-            set_flat_grads(self.params, total)
-            self.optimizer.step()
+            self._write_grads(total)
+            self._inner_step()
         self.round += 1
         self._sync_buffers()
         self.times.step_s = time.perf_counter() - start
@@ -246,9 +365,9 @@ class DistributedOptimizer:
         grad = flat_grads(self.params)
         if mu:
             grad.add_(flat_params(self.params) - self.anchor, alpha=mu)
-            set_flat_grads(self.params, grad)
+            self._write_grads(grad)
         self.grad_norm = float(grad.norm())
-        self.optimizer.step()
+        self._inner_step()
         self.local_step += 1
         if self.local_step >= self.local_steps:
             self.synchronize()
@@ -258,7 +377,8 @@ class DistributedOptimizer:
         synced model by the agreed delta, and start the next local steps from it."""
         start = time.perf_counter()
         delta = flat_params(self.params) - self.anchor
-        self.anchor = self.anchor + self.agree(delta)
+        with self._diagnosing():
+            self.anchor = self.anchor + self.agree(delta)
         set_flat_params(self.params, self.anchor)
         if self.settings.reset_state_at_sync:
             self.optimizer.state.clear()
@@ -266,6 +386,34 @@ class DistributedOptimizer:
         self.round += 1
         self._sync_buffers()
         self.times.comm_s = self.times.step_s = time.perf_counter() - start
+
+    # -- guards -------------------------------------------------------------------
+
+    def _inner_step(self) -> None:
+        with self._guard.allowed():
+            self.optimizer.step()
+
+    def _write_grads(self, flat: torch.Tensor) -> None:
+        """`flat` (the layout of `flat_grads`) into the ``.grad`` of every parameter
+        that requires one; a frozen parameter is given none, so no optimizer moves it."""
+        if flat.numel() != self.reducer.numel:
+            raise ValueError(f"{flat.numel()} gradient entries for {self.reducer.numel}")
+        pos = 0
+        for p in self.params:
+            n = p.numel()
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(flat[pos : pos + n].reshape(p.shape))
+            pos += n
+
+    @contextmanager
+    def _diagnosing(self) -> Iterator[None]:
+        """A timed-out wait becomes `StepMismatch` if peers are on other rounds."""
+        try:
+            yield
+        except CollectiveTimeout as exc:
+            raise diagnosed(exc, self.reducer.channel, self.round) from exc
 
     # -- update_delay -------------------------------------------------------------
 
@@ -305,13 +453,14 @@ class DistributedOptimizer:
     # -- buffers and state --------------------------------------------------------
 
     def _sync_buffers(self) -> None:
-        """Average floating buffers (BatchNorm statistics) over the group."""
+        """Average the running statistics (`RUNNING_STATS`) over the group."""
         if not self.buffers or self.reducer.world == 1:
             return
         flat = torch.cat([b.detach().reshape(-1).to(torch.float32) for b in self.buffers])
-        mean = self.reducer.allreduce_dense(
-            flat / self.reducer.world, round=self.round, bucket=BUFFERS_BUCKET
-        )
+        with self._diagnosing():
+            mean = self.reducer.allreduce_dense(
+                flat / self.reducer.world, round=self.round, bucket=BUFFERS_BUCKET
+            )
         set_flat_params(self.buffers, mean)
 
     def state_dict(self) -> dict[str, Any]:
@@ -342,16 +491,20 @@ class DistributedOptimizer:
         self.delayed.pending = None if pending is None else pending.clone()
 
     def close(self) -> None:
-        """Remove the backward hooks and stop any communication thread."""
+        """Remove the backward hooks and the guard on the wrapped optimizer's step,
+        and stop any communication thread."""
         if self.overlap is not None:
             self.overlap.close()
+        self._guard.remove()
         self.drop_pending()
 
 
-def _float_buffers(model: nn.Module | None) -> list[torch.Tensor]:
+def _running_stats(model: nn.Module | None) -> list[torch.Tensor]:
+    """The floating buffers named as torch's norm layers name their running statistics."""
     if model is None:
         return []
-    return [b for b in model.buffers() if b.is_floating_point()]
+    return [b for name, b in model.named_buffers()
+            if b.is_floating_point() and name.rsplit(".", 1)[-1] in RUNNING_STATS]  # fmt: skip
 
 
 def _copied(state: Any) -> Any:

@@ -164,9 +164,10 @@ class BucketOverlap:
         self._comm: CommThread | None = None
         self._ready = Readiness(self.buckets)
         self._flat = torch.zeros(sum(sizes), dtype=torch.float32)
-        self._hooks = [
+        self._hooks = [  # a frozen parameter takes no hook; `collect` covers its bucket
             p.register_post_accumulate_grad_hook(lambda _, i=i: self._arrived(i))
             for i, p in enumerate(params)
+            if p.requires_grad
         ]
 
     def close(self) -> None:

@@ -20,5 +20,5 @@ def assert_refused(settings: SyncSettings, match: str) -> None:
     ring = Ring(PeerChannel(InprocTransport().connect("solo"), "t"), ("solo",))
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=match):
-        DistributedOptimizer(inner, Reducer(ring, numel, ReducerSettings()), settings)
+        DistributedOptimizer(inner, Reducer(ring, numel, ReducerSettings()), settings, model=None)
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
