@@ -89,7 +89,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
-from fedring.compression.values import ValueDtype
+from fedring.compression.settings import check_codec
+from fedring.compression.values import VALUE_DTYPES, ValueDtype
 from fedring.engine.ddp_codec import pack, working_dtype
 
 # DDP rebuilds its buckets once: before its second step, or before its third with
@@ -141,11 +142,13 @@ class GroupTopKState:
         *,
         density: float = 0.01,
         group_size: int = 256,
-        value_dtype: ValueDtype = "fp32",
+        value_dtype: ValueDtype = "fp16",
         start_compress_iter: int = 10,
         use_error_feedback: bool = True,
     ) -> None:
         # --- argument checks ---
+        check_codec(density=density, group_size=group_size, value_dtype=value_dtype,
+                    value_dtypes=VALUE_DTYPES)  # shared with ReducerSettings and JobSpec
         if start_compress_iter < 0:
             raise ValueError(f"start_compress_iter={start_compress_iter} must be >= 0")
         if use_error_feedback and start_compress_iter < _DDP_REBUILD_STEPS:
