@@ -16,7 +16,8 @@ Rank 0 pushes and returns at once; every other member waits (the group's
 `timeout_s`) for rank 0's frames. So members may be built on threads or one after
 another, rank 0 first. Bytes travel as 16-bit halves in float32 (each one exact and
 finite, whatever the tensors' dtypes: integer buffers, NaN bits), twice the state's
-size, sent once from rank 0 to each member (once in all on a broadcasting transport).
+size, sent by rank 0 to each member: (N - 1) x 2 x the model's bytes from rank 0,
+once per group (``group.stats()`` counts them).
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ def start_together(
     mine = _digest(halves) if policy == "verify" else halves
     deadline = Deadline.after(timeout_s)
     if channel.name == members[0]:
-        channel.broadcast(DenseChunk(mine.numel(), 0, mine), members, round=0, step=0,
-                          phase=PHASE[policy], deadline=deadline)  # fmt: skip
+        # One send per member, not `channel.broadcast`: a member's inbox is subscribed
+        # before it is online (the ring relies on it), a job's broadcast topic maybe not.
+        start = DenseChunk(mine.numel(), 0, mine)
+        for dst in members[1:]:
+            channel.send(dst, start, round=0, step=0, phase=PHASE[policy], deadline=deadline)
         return
     try:
         got = channel.recv(members[0], round=0, step=0, phase=PHASE[policy], deadline=deadline,
