@@ -28,6 +28,9 @@ from fedring.bench.sessions import free_port
 from fedring.compression.group_topk import GroupTopK
 from fedring.engine.ddp_hook import GroupTopKState, group_topk_hook
 
+# FEDRING_TEST_DEVICE=cuda runs every scenario on cuda:0 (gloo with CUDA tensors):
+# what CI cannot check, on a machine with a GPU.
+DEVICE = torch.device(os.environ.get("FEDRING_TEST_DEVICE", "cpu"))
 INJECT_STEP = 5  # a compressed step (start_compress_iter=2)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}  # fmt: skip
@@ -35,17 +38,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 
 def _mlp(seed: int, dtype: torch.dtype = torch.float32) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(dtype)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(DEVICE, dtype)
 
 
 def _batch(gen: torch.Generator, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(n, 16, generator=gen)
     teacher = torch.linspace(-1, 1, 64).reshape(16, 4)  # the same on every rank
-    return x, torch.tanh(x @ teacher)
+    return x.to(DEVICE), torch.tanh(x @ teacher).to(DEVICE)
 
 
 def _params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+    return torch.cat([p.detach().double().reshape(-1) for p in model.parameters()]).cpu()
 
 
 def nonfinite(rank: int, world: int) -> dict[str, Any]:
@@ -101,7 +104,7 @@ USE_B = [True] * 4 + [False] * 6 + [True] * 3
 
 
 def _applied_mass(rank: int, hooked: bool) -> dict[str, torch.Tensor]:
-    model = _TwoBranch()
+    model = _TwoBranch().to(DEVICE)
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     state = GroupTopKState(density=0.1, group_size=32, start_compress_iter=2)
     if hooked:
@@ -113,11 +116,12 @@ def _applied_mass(rank: int, hooked: bool) -> dict[str, torch.Tensor]:
             state.compressor = GroupTopK(group_size=32, k=32)
         ddp.zero_grad(set_to_none=True)
         x, c = torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)
+        x, c = x.to(DEVICE), c.to(DEVICE)
         ddp(x, c, use_b).backward()
         for name, p in model.named_parameters():
             if p.grad is not None:
                 applied[name] += p.grad
-    return applied
+    return {name: mass.cpu() for name, mass in applied.items()}
 
 
 def unused(rank: int, world: int) -> dict[str, Any]:
@@ -201,6 +205,8 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)  # several ranks share a few cores
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(0)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
