@@ -81,6 +81,7 @@ so on CUDA each compressed bucket syncs the host with the device once.
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -300,10 +301,13 @@ def _agree(
     gradient is exactly zero on every rank waits the same way; that only delays it.
     """
     buffer = bucket.buffer()
-    sizes = torch.tensor([p.numel() for p in bucket.parameters()], device=buffer.device)
-    ends = sizes.cumsum(0) - 1
+    numels = [p.numel() for p in bucket.parameters()]
+    if sum(numels) != buffer.numel():  # not laid out back to back: judge the bucket whole
+        numels = [buffer.numel()]
+    bounds = [0, *accumulate(numels)]
+    ends = torch.tensor(bounds[1:], device=buffer.device) - 1
     nonzero = buffer.ne(0).cumsum(0, dtype=torch.int32)[ends]
-    flags = torch.empty(1 + len(sizes), dtype=torch.int32, device=buffer.device)
+    flags = torch.empty(1 + len(numels), dtype=torch.int32, device=buffer.device)
     flags[0] = ~torch.isfinite(buffer).all()
     flags[1:] = nonzero.diff(prepend=nonzero.new_zeros(1)).gt(0)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
@@ -311,7 +315,6 @@ def _agree(
     agreed = flags.tolist()
     if agreed[0]:
         return None
-    bounds = [0, *(ends + 1).tolist()]
     idle = tuple((bounds[i], bounds[i + 1]) for i, used in enumerate(agreed[1:]) if not used)
     return _Agreed(idle)
 

@@ -67,7 +67,7 @@ def nonfinite(rank: int, world: int) -> dict[str, Any]:
         g[0, 0] = float("inf")
         return g
 
-    finite, norms, corner = [], [], []
+    finite, norms, corner, bad = [], [], [], []
     for step in range(12):
         handle = first.register_hook(inject) if step == INJECT_STEP and rank == 0 else None
         x, y = _batch(gen)
@@ -78,11 +78,13 @@ def nonfinite(rank: int, world: int) -> dict[str, Any]:
         ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all())
                  for p in model.parameters())  # fmt: skip
         finite.append(ok)
+        assert first.grad is not None
+        bad.append(torch.nonzero(~torch.isfinite(first.grad)).tolist())
         if ok:
             opt.step()
         norms.append(state.residual_norm())
         corner.append(float(first.detach()[0, 0]))
-    return {"finite": finite, "residual_norms": norms, "corner": corner,
+    return {"finite": finite, "residual_norms": norms, "corner": corner, "bad": bad,
             "params": _params(model)}  # fmt: skip
 
 

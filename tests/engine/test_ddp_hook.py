@@ -124,6 +124,30 @@ def test_state_dict_survives_a_weights_only_load_and_resumes_dense() -> None:
     assert [s.compressing for s in rec.steps] == [False, False, True]
 
 
+@pytest.mark.usefixtures("one_rank")
+def test_static_graph_rebuilds_its_buckets_before_the_first_compressed_step() -> None:
+    # static_graph=True rebuilds DDP's buckets before its third step, not its second:
+    # start_compress_iter=2 still compresses only the rebuilt buckets
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(200, 200) for _ in range(4)])  # 4 x 160 kB
+    ddp = DistributedDataParallel(model, static_graph=True, bucket_cap_mb=0.3)
+    state = GroupTopKState(start_compress_iter=2)
+    seen: list[tuple[int, bool, int]] = []
+
+    def watching_hook(
+        state: GroupTopKState, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        seen.append((state.iter, state.compressing, bucket.buffer().numel()))
+        return group_topk_hook(state, bucket)
+
+    ddp.register_comm_hook(state, watching_hook)
+    for _ in range(4):
+        ddp(torch.randn(2, 200)).square().sum().backward()
+    assert seen[:2] == [(0, False, 160_800), (1, False, 160_800)]  # one bucket, twice
+    assert seen[2:] == [(2, True, 80_400), (2, True, 80_400), (3, True, 80_400), (3, True, 80_400)]
+    assert sorted(state.error_feedback) == [0, 1]
+
+
 def test_refuses_settings_that_cannot_work() -> None:
     with pytest.raises(ValueError, match="start_compress_iter=1 must be >= 2"):
         GroupTopKState(start_compress_iter=1)

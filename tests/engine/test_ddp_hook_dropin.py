@@ -37,6 +37,7 @@ def test_an_inf_at_a_compressed_step_is_seen_on_every_rank_and_training_goes_on(
     for r in results:
         expected = [step != INJECT_STEP for step in range(len(r["finite"]))]
         assert r["finite"] == expected  # the overflow shows, as all-reduce shows it
+        assert r["bad"][INJECT_STEP] == [[0, 0]]  # where rank 0 put it, and only there
         assert all(math.isfinite(n) for n in r["residual_norms"]), "residual poisoned"
         # the skipped step leaves the residual as it was before that step
         assert r["residual_norms"][INJECT_STEP] == r["residual_norms"][INJECT_STEP - 1]
