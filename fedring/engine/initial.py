@@ -40,7 +40,8 @@ PHASE = {"broadcast": "start", "verify": "start-sha256"}  # frame phase of round
 
 
 class InitialModelMismatch(ValueError):
-    """A member's initial parameters or buffers differ from rank 0's (``initial="verify"``)."""
+    """A member's initial parameters or buffers differ from rank 0's under
+    ``initial="verify"``, or (any policy) its model's size differs from rank 0's."""
 
 
 def start_together(

@@ -32,6 +32,10 @@ class DirectStepError(RuntimeError):
 class StepMismatch(CollectiveTimeout):
     """A peer's frames are for another round than this member's; names both.
 
+    A `CollectiveTimeout`: raised when this member's wait for a round times out and
+    the frames that did arrive are for other rounds (a member that called its inner
+    optimizer's ``step()`` or skipped ``opt.step()``), instead of a bare timeout.
+
     Attributes
     ----------
     member : str
@@ -40,6 +44,8 @@ class StepMismatch(CollectiveTimeout):
         The round this member waited on.
     peers : dict of str to int
         Each peer heard from on another round, with that round.
+    cause : str
+        The timeout's own message, kept at the end of this one.
     """
 
     def __init__(self, member: str, step: int, peers: dict[str, int], cause: str) -> None:
