@@ -256,7 +256,7 @@ def group_topk_hook(
 
     Register with ``ddp.register_comm_hook(state, group_topk_hook)``. Steps before
     ``state.start_compress_iter`` run torch's plain all-reduce hook, and so does a
-    step at which any rank's bucket holds an inf or a NaN.
+    bucket that holds an inf or a NaN on any rank (its residual is left as it was).
 
     Returns
     -------
