@@ -124,6 +124,8 @@ class GroupTopKState:
     use_error_feedback : bool
         Keep what was not sent in a per-bucket residual and add it to the next step.
 
+    Notes
+    -----
     Counters (this rank, all steps so far): `sent_bytes` is what it put on the wire
     by the ring convention (all-reduce ``2 (N-1)/N x bucket``, all-gather
     ``(N-1) x payload``, the agreement all-reduce of 4 bytes a parameter);
