@@ -305,6 +305,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.round += 1
         self._sync_buffers()
 
+    def apply_agreed(self, agreed: torch.Tensor) -> None:
+        """Apply a vector the group agreed on outside this optimizer (Flower's relayed
+        ring reduces over messages, not through `reducer`) as `step` and `synchronize`
+        apply their own: sync mode writes it into ``.grad`` and steps the wrapped
+        optimizer with its state; local mode moves the synced model by it. Buffers
+        are not averaged: that collective carried none."""
+        if self.settings.mode == "local":
+            self.anchor = self.anchor + agreed
+            set_flat_params(self.params, self.anchor)
+            if self.settings.reset_state_at_sync:
+                self.optimizer.state.clear()
+            self.local_step = 0
+        else:
+            self._write_grads(agreed)
+            self._inner_step()
+        self.round += 1
+
     def agree(self, vec: torch.Tensor, round: int | None = None) -> torch.Tensor:
         """This member's `vec` combined with the group's by the aggregation rule."""
         r = self.round if round is None else round
