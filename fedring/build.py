@@ -19,7 +19,7 @@ from fedring.aggregation.rules import Aggregation
 from fedring.config import JobSpec, SpecError
 from fedring.engine.centre import AsyncSettings, CentreSettings
 from fedring.engine.gate import Gate, Resolved
-from fedring.engine.group import Group
+from fedring.engine.group import Collective, Group
 from fedring.engine.loop import LoopSettings, Member
 from fedring.engine.lr import LinearScaling
 from fedring.engine.optimizer import DistributedOptimizer, SyncSettings
@@ -27,7 +27,7 @@ from fedring.engine.overlap import Yielder
 from fedring.engine.participation import per_round
 from fedring.engine.plan import Plan
 from fedring.engine.plan import plan as plan_task
-from fedring.engine.reducer import Collective, Reducer, ReducerSettings
+from fedring.engine.reducer import Reducer, ReducerSettings
 from fedring.engine.resync import ResyncSettings, resync_every
 from fedring.engine.sampler import ShardSampler
 from fedring.engine.state import TrainerState

@@ -1,9 +1,10 @@
 """The centre of a star: every member's update in one place, a rule applied, one reply.
 
 With ``topology = "star"`` a member's `Reducer.star` sends its compressed update
-(error feedback and group-top-k as on the ring) to the centre and waits for the
-reply; the centre here collects one update per member for the round, combines
-them, and sends every member the same result, so the members stay identical.
+(error feedback and group-top-k as on the ring) over its `Centre` link
+(`engine.star`) to the centre and waits for the reply; the centre here collects
+one update per member for the round, combines them, and sends every member the
+same result, so the members stay identical.
 With client sampling (`sample`) only the round's sample sends; every member still
 gets the result, so one that sat out holds the same model.
 
@@ -37,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
@@ -50,21 +51,15 @@ from fedring.collective.channel import (
 )
 from fedring.compression.payload import Payload, PayloadLimits
 from fedring.compression.quantize import DenseCodec
+from fedring.engine.local import LocalWork
 from fedring.engine.participation import sampled
+from fedring.engine.star import STAR, Centre
 from fedring.transport.base import Deadline
 
-if TYPE_CHECKING:  # the engine's reducer imports this module: no cycle at run time
-    from fedring.engine.local import LocalWork
-
-STAR = "aggregator"  # the centre's endpoint name in-process
-
-
-@dataclass(frozen=True)
-class Centre:
-    """Where a member's star exchanges go: a channel and the centre's name on it."""
-
-    channel: PeerChannel
-    name: str = STAR
+__all__ = [
+    "STAR", "AsyncSettings", "AsyncState", "Centre", "CentreSettings", "combine",
+    "run_async_member", "serve", "serve_async",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,15 @@ from dataclasses import dataclass, field
 
 from fedring.collective.channel import PeerChannel
 from fedring.collective.fanout import COLLECTIVES, Fanout, Hub
-from fedring.collective.torus import build_ring, layout_name
+from fedring.collective.ring import Ring
+from fedring.collective.torus import Torus, build_ring, layout_name
 from fedring.counters import Counters
-from fedring.engine.centre import Centre
-from fedring.engine.reducer import Collective
+from fedring.engine.star import Centre
 from fedring.transport.base import Endpoint
 from fedring.transport.inproc import InprocTransport
 
 LOCAL_KEY = b"fedring-local"  # frames of in-process groups are signed too
+Collective = Ring | Torus | Fanout | Hub  # what a group's layout builds; a reducer runs over it
 
 
 @dataclass(frozen=True)

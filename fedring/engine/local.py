@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedring.engine.loop import LossFn
 from fedring.engine.sampler import ShardSampler
+from fedring.engine.task import LossFn
 from fedring.training.models import flat_grads, flat_params, set_flat_params
 
 

@@ -29,10 +29,10 @@ from torch import nn
 from fedring.engine.lr import LinearScaling
 from fedring.engine.resync import ResyncSettings, resync
 from fedring.engine.state import TrainerState
+from fedring.engine.task import LossFn
 from fedring.training.monitor import Monitor
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Evaluate = Callable[[nn.Module], tuple[float, float]]  # (held-out loss, metric)
 
 

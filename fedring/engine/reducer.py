@@ -12,8 +12,9 @@ memory and communicator)::
 `allreduce` returns the sum over the group of ``scale_i * vec_i`` (a scale of 1/N
 gives the mean, a manifest weight the weighted mean). `vote` is signSGD's majority
 vote with error feedback; `star` sends ``scale * vec``, compressed, to the group's
-centre (`engine.centre`: a star job, or median and trimmed mean) and returns what
-it decides.
+centre over a `Centre` link (`engine.star`: a star job, or median and trimmed mean)
+and returns what it decides. What the centre does is the layer above
+(`engine.centre`); the reducer only holds the link it is given.
 
 Tuning: `density` first (1% keeps 3 of every 256 entries); leave error feedback
 on (without it top-k at 1% loses most of the gradient mass and stalls); the DGC
@@ -34,21 +35,17 @@ from typing import Literal
 import torch
 
 from fedring.collective.channel import PeerChannel
-from fedring.collective.fanout import Fanout, Hub
-from fedring.collective.ring import Ring
-from fedring.collective.torus import Torus
 from fedring.collective.vote import majority_vote
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK, k_for
-from fedring.compression.payload import Payload, PayloadLimits
+from fedring.compression.payload import Payload
 from fedring.compression.quantize import DenseCodec, SignQuantizer
 from fedring.compression.schedule import DensitySchedule
 from fedring.compression.settings import DEFAULT_VALUE_DTYPE, SettingsError, check_codec
-from fedring.engine.centre import STAR, Centre
-from fedring.transport.base import Deadline
+from fedring.engine.group import Collective
+from fedring.engine.star import STAR, Centre
 
-__all__ = ["STAR", "Centre", "Reducer", "ReducerSettings", "compress_update"]
-Collective = Ring | Torus | Fanout | Hub
+__all__ = ["STAR", "Centre", "Collective", "Reducer", "ReducerSettings", "compress_update"]
 
 
 @dataclass(frozen=True)
@@ -244,27 +241,16 @@ class Reducer:
 
     def star(self, vec: torch.Tensor, *, round: int, scale: float = 1.0) -> torch.Tensor:
         """Send ``scale * vec``, compressed, to the centre; return what it decides."""
-        centre = self.centre or Centre(self.channel)
-        deadline = Deadline.after(self.timeout_s)
-        centre.channel.send(
-            centre.name, self.compress(vec * scale if scale != 1.0 else vec, round),
-            round=round, step=0, phase="up", deadline=deadline,
-        )  # fmt: skip
-        result = centre.channel.recv(
-            centre.name, round=round, step=0, phase="down", deadline=deadline,
-            limits=PayloadLimits(max_numel=self.numel),
-        )  # fmt: skip
-        return result.decompress()
+        sent = self.compress(vec * scale if scale != 1.0 else vec, round)
+        return self._centre.exchange(sent, round=round, numel=self.numel, timeout_s=self.timeout_s)
 
     def star_result(self, *, round: int) -> torch.Tensor:
         """A member that sits this round out (client sampling): only the centre's reply."""
-        centre = self.centre or Centre(self.channel)
-        result = centre.channel.recv(
-            centre.name, round=round, step=0, phase="down",
-            deadline=Deadline.after(self.timeout_s),
-            limits=PayloadLimits(max_numel=self.numel),
-        )  # fmt: skip
-        return result.decompress()
+        return self._centre.result(round=round, numel=self.numel, timeout_s=self.timeout_s)
+
+    @property
+    def _centre(self) -> Centre:
+        return self.centre or Centre(self.channel)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The error-feedback memory (empty without it); plain tensors only."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +37,7 @@ from fedring.training.datasets import Dataset, load_dataset
 from fedring.training.models import build_model
 
 GROUP = "fedring.tasks"
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, target) -> loss
 
 
 class TaskError(ValueError):
