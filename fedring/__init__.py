@@ -30,7 +30,7 @@ _API = {
     "Reducer": "fedring.engine.reducer",
     "ReducerSettings": "fedring.engine.reducer",
     "DistributedOptimizer": "fedring.engine.optimizer",
-    "SyncSettings": "fedring.engine.optimizer",
+    "SyncSettings": "fedring.engine.sync_settings",
     "LinearScaling": "fedring.engine.lr",
     "ShardSampler": "fedring.engine.sampler",
     "TrainerState": "fedring.engine.state",

@@ -9,17 +9,9 @@
         opt.step()          # the group agrees on the gradient, then AdamW steps
         sched.step()
 
-Modes (`SyncSettings.mode`):
-
-- ``sync``: every `step` all-reduces the flat gradient (compressed by the reducer,
-  with error feedback), writes the agreed mean into every ``.grad`` and lets the
-  wrapped optimizer step. Every member applies the same bits, so every member
-  holds the same parameters after every step.
-- ``local``: the wrapped optimizer steps on the local gradient; every
-  `local_steps` steps the *parameter deltas* since the last sync are agreed and
-  every member moves the synced model by the agreed delta (Local SGD; SEEDS A's
-  incremental updates). `correction` adds ``mu * (p - p_sync)`` to each local
-  gradient so that local steps do not drift far from the global model (SEEDS D).
+`SyncSettings` (`engine.sync_settings`) says when and how the group agrees: the
+modes (``sync`` every step, ``local`` every H steps), the aggregation rules, and
+why a compressed gradient wants the wrapped optimizer without momentum.
 
 Flattening order: the parameters of ``optimizer.param_groups``, group by group, in
 the order each group lists them (for ``SGD(model.parameters())`` that is
@@ -30,32 +22,14 @@ statistics (``running_mean``, ``running_var``: BatchNorm's) are averaged over th
 group at every sync point; other buffers, integer ones (``num_batches_tracked``,
 a counter equal on members that took the same steps) included, stay local.
 
-Guards (`engine.steps`): the wrapped optimizer's own ``step()`` raises
-`DirectStepError`; a timed-out exchange whose peers are on other rounds raises
-`StepMismatch` naming them and both steps.
-
-Aggregation: ``mean`` and ``weighted`` sum ``weight * vec`` around the ring (or
-at the centre of a star, `SyncSettings.star`); ``vote`` is signSGD's majority;
-``median`` and ``trimmed`` go through a star's centre; ``hybrid:L`` mixes the
-global mean with the local vector (SEEDS A).
-
-With a compressed gradient every step, run the wrapped optimizer *without*
-momentum (plain EF-SGD) or move the momentum into error feedback (DGC momentum
-correction, `ReducerSettings.momentum_correction`): momentum applied after a
-sparse exchange multiplies every delayed burst of gradient by 1/(1-m) and
-diverged on digits (8%). Measured by `bench/optimizers.py` (4 agents, group-top-k
-1% + EF): plain EF-SGD keeps up with dense (digits 0.969 vs 0.975, MNIST-1D CNN
-0.874 vs 0.877); AdamW on the agreed sparse gradient lags (0.919 vs 0.981, 0.579
-vs 0.879) and momentum SGD collapses (0.669, 0.299); DGC recovers part of it.
-
 `state_dict` holds the wrapped optimizer's state, the reducer's residual, the
 anchor of local mode and the round: plain tensors and numbers, so it round-trips
 through ``torch.save`` and ``torch.load(weights_only=True)``.
 
-Why one module of about 500 lines (a third of it docstrings): `step` reads top to
-bottom through the three paths (every step, local deltas, delayed update) that
-share the flattening, the buffers and the state; the collective is in `reducer`,
-bucket overlap in `overlap`, the common start in `initial`, the step guards in `steps`.
+Elsewhere, one concern a module: `reducer` (the collective), `sync_settings`,
+`overlap` (buckets, the delayed update), `initial` (the common start), `steps` (the
+guards: `DirectStepError`, `StepMismatch`), `running_stats`, `wrapped` (what a
+scheduler sees).
 """
 
 from __future__ import annotations
@@ -63,47 +37,27 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from fedring.aggregation.rules import Aggregation, hybrid
+from fedring.aggregation.rules import hybrid
 from fedring.collective.channel import CollectiveTimeout
 from fedring.engine.initial import INITIAL_POLICIES, InitialPolicy, start_together
-from fedring.engine.overlap import BucketOverlap, CommThread, Yielder
+from fedring.engine.overlap import BucketOverlap, DelayedUpdate, Yielder
 from fedring.engine.participation import SitOut, per_round, sampled
 from fedring.engine.reducer import Reducer
+from fedring.engine.running_stats import average, running_stats
 from fedring.engine.steps import InnerStepGuard, diagnosed
+from fedring.engine.sync_settings import SyncSettings
+from fedring.engine.wrapped import WrappedOptimizer, copied
 from fedring.training.models import flat_grads, flat_params, set_flat_params
-from fedring.transport.base import Deadline
 
-BUFFERS_BUCKET = -1  # frame tag of the buffers' all-reduce, apart from the gradient's
-RUNNING_STATS = ("running_mean", "running_var")  # the buffers averaged at each sync
 _UNSET: Any = object()  # `model=` not passed at all (None is a choice: no buffers)
 
-
-@dataclass(frozen=True)
-class SyncSettings:
-    """When and how the group agrees (see the module docstring)."""
-
-    mode: Literal["sync", "local"] = "sync"
-    local_steps: int = 4  # H: local steps between syncs (local mode)
-    aggregation: str = "mean"  # mean | weighted | vote | hybrid:L[-L2] | median | trimmed:B
-    rounds: int = 0  # total rounds, for a scheduled hybrid lambda
-    correction: float = 0.0  # local mode: pull toward the synced model
-    reset_state_at_sync: bool = False  # local mode: clear the optimizer's state at each sync
-    update_delay: int = 0  # sync: apply each agreed gradient one round late (0 or 1)
-    bucket_kb: int = 0  # sync: all-reduce buckets of this many KB during backward; 0 = off
-    star: bool = False  # every agreement but the sign vote goes through the group's centre
-    sample: float = 1.0  # star: members trained per round (`participation.sampled`)
-    seed: int = 0  # with the round, picks the sample
-    sit_out: str = "keep"  # the residual of a member back from sitting out (`SitOut`)
-
-    @property
-    def rule(self) -> Aggregation:
-        return Aggregation.parse(self.aggregation)
+__all__ = ["DistributedOptimizer", "StepTimes", "SyncSettings"]
 
 
 @dataclass
@@ -115,15 +69,7 @@ class StepTimes:
     step_s: float = 0.0
 
 
-@dataclass
-class _Delayed:
-    """`update_delay`: the gradient waiting to be agreed, and its reduction in flight."""
-
-    pending: torch.Tensor | None = None
-    comm: CommThread | None = field(default=None, repr=False)
-
-
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(WrappedOptimizer):
     """Wraps a `torch.optim.Optimizer`; a `Reducer` agrees on its updates.
 
     It is a `torch.optim.Optimizer` itself, so `torch.optim.lr_scheduler` takes it
@@ -181,8 +127,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         yielder: Yielder | None = None,
         initial: InitialPolicy = "broadcast",
     ) -> None:
-        # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer holds the
-        # parameter groups, defaults and state that this one shows (see the properties).
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer)}")
         if isinstance(optimizer, DistributedOptimizer):
@@ -206,28 +150,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if numel != reducer.numel:
             raise ValueError(f"optimizer holds {numel} parameters, the reducer {reducer.numel}")
         self.weight = 1.0 / reducer.world if weight is None else weight
-        self.buffers = _running_stats(model)
+        self.buffers = running_stats(model)
         self.yielder = yielder
         self.round = 0  # agreements so far: steps in sync mode, syncs in local mode
         self.local_step = 0  # local mode: steps since the last sync
         self.local_steps = self.settings.local_steps  # H; the adaptive mode changes it
         self.times = StepTimes()
         self.grad_norm = 0.0  # of the last local gradient, before any agreement
-        self.delayed = _Delayed()
+        self.delayed = DelayedUpdate(self.agree, reducer, yielder)
         self.last_trained = -1  # client sampling: the last round this member took part in
         s = self.settings
-        if s.sample != 1.0 and (not s.star or self.rule.kind in ("vote", "hybrid", "weighted")):
-            raise ValueError(
-                f"client sampling (sample={s.sample}) needs a star and aggregation mean, "
-                f"median or trimmed, not star={s.star}, aggregation={self.rule.kind!r}"
-            )
-        if (s.bucket_kb or s.update_delay) and self.rule.kind not in ("mean", "weighted"):
-            raise ValueError(f"overlap needs aggregation mean or weighted, not {self.rule.kind}")
-        if s.update_delay not in (0, 1) or (s.update_delay and (s.mode != "sync" or s.bucket_kb)):
-            raise ValueError(
-                f"update_delay={s.update_delay} needs 0 or 1, sync mode and bucket_kb=0, "
-                f"not mode={s.mode!r}, bucket_kb={s.bucket_kb}"
-            )
+        s.check()
         c = reducer.collective
         every_buffer = list(model.buffers()) if model is not None else []
         start_together(reducer.channel, c.members, self.params + every_buffer, initial,
@@ -241,32 +174,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
         self._guard = InnerStepGuard(optimizer)
 
-    # -- what torch.optim.lr_scheduler reads and writes: the wrapped optimizer's -----
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = groups
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, defaults: dict[str, Any]) -> None:
-        self.optimizer.defaults = defaults
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, state: Any) -> None:
-        self.optimizer.state = state
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise TypeError(
             "DistributedOptimizer's flat layout is fixed when it is built: add the group "
@@ -279,7 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         if self.settings.update_delay:
-            self._launch_delayed()  # last round's gradient travels during this forward
+            self.delayed.launch(self.round)  # last round's gradient travels during this forward
 
     # -- agreeing ---------------------------------------------------------------
 
@@ -434,57 +341,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- update_delay -------------------------------------------------------------
 
-    def _launch_delayed(self) -> None:
-        d = self.delayed
-        if d.pending is None or d.comm is not None:
-            return
-        r = self.round
-
-        def reduce(_j: int, vec: torch.Tensor) -> torch.Tensor:
-            return self.agree(vec, r)
-
-        d.comm = CommThread(reduce, f"{self.reducer.channel.name}-delayed-r{r}", self.yielder)
-        d.comm.hand(0, d.pending)
-
     def _delayed_total(self) -> torch.Tensor | None:
         """The agreed sum of last round's gradient (None in a segment's first round);
         this round's gradient waits for the next."""
-        d = self.delayed
-        self._launch_delayed()
-        total = None
-        if d.comm is not None:
-            comm, d.comm = d.comm, None
-            c = self.reducer.collective
-            total = comm.finish(Deadline.after(2 * c.world * c.timeout_s + 1.0))[0]
-            self.times.comm_s = comm.last_reduced - comm.first_handed
-        d.pending = flat_grads(self.params)
-        self.grad_norm = float(d.pending.norm())
+        grad = flat_grads(self.params)
+        total, comm_s = self.delayed.total(self.round, grad)
+        if comm_s is not None:
+            self.times.comm_s = comm_s
+        self.grad_norm = float(grad.norm())
         return total
 
     def drop_pending(self) -> None:
         """Forget a delayed gradient (e.g. one of parameters that diverged)."""
-        if self.delayed.comm is not None:
-            self.delayed.comm.abandon()
-        self.delayed = _Delayed()
+        self.delayed.drop()
 
     # -- buffers and state --------------------------------------------------------
 
     def _sync_buffers(self) -> None:
-        """Average the running statistics (`RUNNING_STATS`) over the group."""
-        if not self.buffers or self.reducer.world == 1:
-            return
-        flat = torch.cat([b.detach().reshape(-1).to(torch.float32) for b in self.buffers])
+        """Average the running statistics over the group (`engine.running_stats`)."""
         with self._diagnosing():
-            mean = self.reducer.allreduce_dense(
-                flat / self.reducer.world, round=self.round, bucket=BUFFERS_BUCKET
-            )
-        set_flat_params(self.buffers, mean)
+            average(self.buffers, self.reducer, self.round)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this member needs to continue bit for bit; plain tensors only."""
         pending = self.delayed.pending
         return {
-            "optimizer": _copied(self.optimizer.state_dict()),
+            "optimizer": copied(self.optimizer.state_dict()),
             "reducer": self.reducer.state_dict(),
             "anchor": self.anchor.clone(),
             "round": self.round,
@@ -498,7 +380,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.local_step = 0
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.optimizer.load_state_dict(_copied(state["optimizer"]))
+        self.optimizer.load_state_dict(copied(state["optimizer"]))
         self.reducer.load_state_dict(state["reducer"])
         self.anchor = state["anchor"].clone()
         self.round = int(state["round"])
@@ -515,22 +397,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._guard.remove()
         self.drop_pending()
 
-
-def _running_stats(model: nn.Module | None) -> list[torch.Tensor]:
-    """The floating buffers named as torch's norm layers name their running statistics."""
-    if model is None:
-        return []
-    return [b for name, b in model.named_buffers()
-            if b.is_floating_point() and name.rsplit(".", 1)[-1] in RUNNING_STATS]  # fmt: skip
-
-
-def _copied(state: Any) -> Any:
-    """A deep copy of an optimizer state dict: `load_state_dict` keeps references to
-    the tensors it is given, and a kept snapshot must not change under training."""
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    if isinstance(state, dict):
-        return {k: _copied(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_copied(v) for v in state]
-    return state

@@ -1,4 +1,5 @@
-"""Overlap: a sync round's gradient all-reduced bucket by bucket while backward runs.
+"""Overlap: a sync round's gradient all-reduced bucket by bucket while backward runs,
+or a whole round late (`DelayedUpdate`) while the next round computes.
 
 With the job field `bucket_kb`, the flat gradient is cut into buckets (see
 `engine.buckets`). A hook on every parameter notes when its gradient is in;
@@ -30,6 +31,11 @@ frame headers low. A handful of buckets per model is the place to start.
 
 Errors: a `CollectiveError` on the communication thread skips the buckets behind
 it, ends the thread, and is raised again on the main thread, the same object.
+
+`update_delay = 1` (`DelayedUpdate`) hides all of the communication instead: a
+round's gradient is agreed on a `CommThread` during the next round's forward and
+backward and applied one round late (a one-step-stale gradient, as in
+delayed-update SGD).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from fedring.engine.reducer import Reducer
 from fedring.transport.base import Deadline
 
 Reduce = Callable[[int, torch.Tensor], torch.Tensor]
+Agree = Callable[[torch.Tensor, int], torch.Tensor]  # (vec, round) -> the group's agreement
 
 
 class CommThread:
@@ -235,3 +242,48 @@ class BucketOverlap:
         ring step of every bucket waits at most its step timeout."""
         c = self.reducer.collective
         return 2 * c.world * len(self.buckets) * c.timeout_s + 1.0
+
+
+class DelayedUpdate:
+    """`update_delay`: the gradient waiting to be agreed, and its agreement in flight.
+
+    `launch` starts agreeing the pending gradient (from `zero_grad`, so it travels
+    during the forward pass); `total` waits for it and keeps this round's gradient
+    for the next round.
+    """
+
+    def __init__(self, agree: Agree, reducer: Reducer, yielder: Yielder | None = None) -> None:
+        self.agree, self.reducer, self.yielder = agree, reducer, yielder
+        self.pending: torch.Tensor | None = None
+        self.comm: CommThread | None = None
+
+    def launch(self, round: int) -> None:
+        """Agree the pending gradient as `round`'s, unless none waits or it is on its way."""
+        if self.pending is None or self.comm is not None:
+            return
+
+        def reduce(_j: int, vec: torch.Tensor) -> torch.Tensor:
+            return self.agree(vec, round)
+
+        name = f"{self.reducer.channel.name}-delayed-r{round}"
+        self.comm = CommThread(reduce, name, self.yielder)
+        self.comm.hand(0, self.pending)
+
+    def total(self, round: int, grad: torch.Tensor) -> tuple[torch.Tensor | None, float | None]:
+        """The agreed sum of the pending gradient (None in a segment's first round) and
+        the seconds its agreement took; `grad` then waits for the next round."""
+        self.launch(round)
+        total, comm_s = None, None
+        if self.comm is not None:
+            comm, self.comm = self.comm, None
+            c = self.reducer.collective
+            total = comm.finish(Deadline.after(2 * c.world * c.timeout_s + 1.0))[0]
+            comm_s = comm.last_reduced - comm.first_handed
+        self.pending = grad
+        return total, comm_s
+
+    def drop(self) -> None:
+        """Forget the pending gradient and stop its agreement."""
+        if self.comm is not None:
+            self.comm.abandon()
+        self.pending, self.comm = None, None

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedring.engine.optimizer import DistributedOptimizer, _copied
+from fedring.engine.optimizer import DistributedOptimizer
 from fedring.engine.sampler import ShardSampler
+from fedring.engine.wrapped import copied
 from fedring.training.models import flat_params, set_flat_params
 
 
@@ -53,13 +54,13 @@ class TrainerState:
     def snapshot(self, *, with_sampler: bool = True) -> dict[str, Any]:
         """A deep copy of `state_dict` (without the sampler: a rollback goes on with
         new batches rather than the ones that led it astray)."""
-        state = _copied(self.state_dict())
+        state = copied(self.state_dict())
         if not with_sampler:
             state.pop("sampler", None)
         return state
 
     def restore(self, snapshot: Mapping[str, Any]) -> None:
-        self.load_state_dict(_copied(snapshot))
+        self.load_state_dict(copied(snapshot))
 
     def load_params(self, flat: torch.Tensor) -> None:
         """Start from these parameters (a checkpoint's): optimizer state and any
