@@ -27,7 +27,6 @@ from fedring.flower.node import (
     NodeState,
     OutOfSync,
     apply_downlink,
-    apply_sum,
     enrol,
     evaluate,
     mix_personal,
@@ -35,11 +34,14 @@ from fedring.flower.node import (
     shard_sizes,
     train_round,
 )
+from fedring.flower.optimizer_state import OptimizerState
+from fedring.flower.ring_member import RingMember
 from fedring.training.models import flat_sha256
 
 SERVER = "server"
 _ARRAYS, _META, _JOB = "fedring.node", "fedring.meta", "fedring.job"
 _RING = "fedring.ring-round"
+_OPT = "optimizer/"  # the relayed ring's optimizer state, key by key (`OptimizerState`)
 
 app = ClientApp()
 
@@ -132,28 +134,37 @@ def evaluate_node(msg: Message, context: Context) -> Message:
 
 @app.train(ring_relay.ACTION)
 def ring_round(msg: Message, context: Context) -> Message:
-    """One step of a ring relayed by the ServerApp (see `fedring.flower.ring_relay`)."""
+    """One step of a ring relayed by the ServerApp (see `fedring.flower.ring_relay`):
+    step 0 trains (`RingMember.update`), the last applies the sum (`RingMember.apply`)."""
     torch.set_num_threads(1)
     spec = spec_from_config(context.state.config_records[_JOB])
     sizes = shard_sizes(spec)
     state = _load(context)
-    if "fedring" in msg.content.config_records:  # step 0: this round's lr and evaluation
+    if "fedring" in msg.content.config_records:  # step 0: whether this round evaluates
         context.state[_RING] = ConfigRecord(dict(msg.content.config_records["fedring"]))
     info: Any = context.state.config_records[_RING]
     r = int(msg.content.config_records["ring"]["round"])  # type: ignore[arg-type]
+    me = ring_relay.member_name(state.rank)
 
-    def make_input(members: list[int]) -> Payload:
+    def member(ranks: list[int]) -> RingMember:  # only the steps that train or apply build it
+        weight = ring_weight(spec, sizes, ranks, state.rank)
+        return RingMember(spec, state, [ring_relay.member_name(m) for m in ranks], me, weight)
+
+    def make_input(ranks: list[int]) -> Payload:
         nonlocal state
-        retry = ring_relay.unfinished_input(context, r, node_name(state.rank))
-        if retry is not None:  # an earlier try of this round broke: its update is not lost
-            retry.add_to(state.residual)
-        weight = ring_weight(spec, sizes, members, state.rank)
-        state, result = train_round(spec, state, float(info["lr"]), scale=weight)
-        info["loss"] = result.loss
-        return result.payload
+        m = member(ranks)
+        retry = ring_relay.unfinished_input(context, r, me)
+        if retry is not None and m.reducer.ef is not None:  # an earlier try broke: not lost
+            retry.add_to(m.reducer.ef.residual)
+        payload, info["loss"] = m.update(r)
+        state = m.saved()
+        return payload
 
-    def on_result(total: torch.Tensor, kept: torch.Tensor) -> dict[str, Any]:
-        apply_sum(spec, state, total, kept, float(info["lr"]))
+    def on_result(ranks: list[int], total: torch.Tensor, kept: torch.Tensor) -> dict[str, Any]:
+        nonlocal state
+        m = member(ranks)
+        m.apply(r, total, kept)
+        state = m.saved()
         out: dict[str, Any] = {"model_sha256": flat_sha256(state.params), "loss": info["loss"]}
         if info["evaluate"]:
             out["test_loss"], out["accuracy"] = evaluate(spec, state)
@@ -166,14 +177,22 @@ def ring_round(msg: Message, context: Context) -> Message:
 
 
 def _store(context: Context, s: NodeState) -> None:
-    arrays = {"params": s.params, "residual": s.residual, "velocity": s.velocity, "rng": s.rng,
-              "order": s.order}  # fmt: skip
+    arrays = {"params": s.params, "residual": s.residual, "rng": s.rng, "order": s.order}
     if s.personal is not None and s.own is not None:
         arrays.update(personal=s.personal, own=s.own)
+    if s.ef_velocity is not None:
+        arrays["ef_velocity"] = s.ef_velocity
+    arrays.update({_OPT + k: v for k, v in s.optimizer.tensors.items()})
     context.state[_ARRAYS] = ArrayRecord({k: Array(v.numpy()) for k, v in arrays.items()})
-    context.state[_META] = ConfigRecord(
-        {"rank": s.rank, "pos": s.pos, "samples_seen": s.samples_seen, "last_round": s.last_round}
-    )
+    meta: dict[str, Any] = {
+        "rank": s.rank,
+        "pos": s.pos,
+        "samples_seen": s.samples_seen,
+        "last_round": s.last_round,
+        "optimizer_nones": s.optimizer.nones,
+    }
+    meta.update({_OPT + k: v for k, v in s.optimizer.numbers.items()})
+    context.state[_META] = ConfigRecord(meta)
 
 
 def _load(context: Context) -> NodeState:
@@ -186,9 +205,15 @@ def _load(context: Context) -> NodeState:
         return torch.from_numpy(np.array(a[name].numpy()))  # a writable copy
 
     hybrid = "personal" in a
+    optimizer = OptimizerState(
+        {k.removeprefix(_OPT): tensor(k) for k in a if k.startswith(_OPT)},
+        {k.removeprefix(_OPT): v for k, v in m.items() if k.startswith(_OPT)},  # type: ignore[misc]
+        [str(k) for k in m.get("optimizer_nones", [])],  # type: ignore[union-attr]
+    )
     return NodeState(
-        int(m["rank"]), tensor("params"), tensor("residual"), tensor("velocity"),  # type: ignore[arg-type]
-        tensor("rng"), tensor("order"), int(m["pos"]), int(m["samples_seen"]),  # type: ignore[arg-type]
+        int(m["rank"]), tensor("params"), tensor("residual"), tensor("rng"), tensor("order"),  # type: ignore[arg-type]
+        int(m["pos"]), int(m["samples_seen"]),  # type: ignore[arg-type]
         tensor("personal") if hybrid else None, tensor("own") if hybrid else None,
-        int(m.get("last_round", -1)),  # type: ignore[arg-type]
+        int(m.get("last_round", -1)), optimizer,  # type: ignore[arg-type]
+        tensor("ef_velocity") if "ef_velocity" in a else None,
     )  # fmt: skip

@@ -4,16 +4,19 @@ A Flower node may run every message in a fresh process (the deployment engine
 does), so everything a node must remember between rounds lives in a `NodeState`
 of plain tensors and ints that the ClientApp keeps in `Context.state`: the
 global model it holds, its error-feedback residual (so what compression left out
-in round r is sent in round r+1), and its batch sampler's position and RNG state.
+in round r is sent in round r+1), its batch sampler's position and RNG state, and
+(the relayed ring) its optimizer's state.
 
 A round: apply the ServerApp's downlink to the held model and check its sha256,
 compute the update (`sync`: one gradient; `local`: the parameter delta after
-`local_steps` momentum-SGD steps), and compress it with error feedback.
+`local_steps` momentum-SGD steps), and compress it with error feedback. The relayed
+ring's rounds go through the engine's reducer and distributed optimizer instead
+(`fedring.flower.ring_member`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -31,6 +34,7 @@ from fedring.engine.participation import SitOut
 from fedring.engine.plan import Plan, prepare
 from fedring.engine.reducer import compress_update
 from fedring.engine.sampler import ShardSampler
+from fedring.flower.optimizer_state import OptimizerState
 from fedring.training.models import flat_params, flat_sha256
 from fedring.training.sharding import ShardError, shard_data
 
@@ -44,7 +48,6 @@ class NodeState:
     rank: int
     params: torch.Tensor  # the global model as this node holds it (flat float32)
     residual: torch.Tensor  # error feedback (zeros when off)
-    velocity: torch.Tensor  # the relayed ring's dense sync momentum (zeros otherwise)
     rng: torch.Tensor  # the batch sampler's state (`ShardSampler.state_dict`): generator,
     order: torch.Tensor  # the current epoch's permutation (int64),
     pos: int  # the position in it,
@@ -55,6 +58,10 @@ class NodeState:
     personal: torch.Tensor | None = None
     own: torch.Tensor | None = None
     last_round: int = -1  # the last round this node trained (client sampling)
+    # the relayed ring: the inner optimizer's state, and DGC's velocity (error feedback's
+    # momentum, `momentum_correction`; None when off)
+    optimizer: OptimizerState = field(default_factory=OptimizerState)
+    ef_velocity: torch.Tensor | None = None
 
 
 @lru_cache(maxsize=4)
@@ -107,21 +114,23 @@ def enrol(
     work = _work(spec, rank)
     work.set_params(flat_params(model))
     zeros = torch.zeros_like(work.params)
-    state = _save(work, rank, zeros, zeros.clone())
+    state = _save(work, rank, zeros)
     if Aggregation.parse(spec.aggregation).kind == "hybrid":
         state.personal, state.own = work.params.clone(), zeros.clone()
     return state
 
 
-def _save(work: LocalWork, rank: int, residual: torch.Tensor, velocity: torch.Tensor) -> NodeState:
+def _save(work: LocalWork, rank: int, residual: torch.Tensor) -> NodeState:
     sampler = work.sampler.state_dict()
     return NodeState(
-        rank, work.params, residual, velocity, sampler["rng"], sampler["order"],
-        sampler["pos"], sampler["samples_seen"],
+        rank, work.params, residual, sampler["rng"], sampler["order"], sampler["pos"],
+        sampler["samples_seen"],
     )  # fmt: skip
 
 
-def _restore(spec: JobSpec, state: NodeState) -> LocalWork:
+def restore(spec: JobSpec, state: NodeState) -> LocalWork:
+    """The node's model (at the held parameters), data, loss, sampler and a fresh
+    inner optimizer, as they were after the last message."""
     work = _work(spec, state.rank)
     work.set_params(state.params)
     work.sampler.load_state_dict({"rng": state.rng, "order": state.order, "pos": state.pos,
@@ -176,7 +185,7 @@ def train_round(
     sitting out rounds first applies the job's `sit_out` policy to its residual."""
     if r is not None:
         SitOut.parse(spec.sit_out).apply(state.residual, r - state.last_round - 1)
-    work = _restore(spec, state)
+    work = restore(spec, state)
     if state.personal is not None:
         work.set_params(state.personal)
     before = work.sampler.samples_seen
@@ -202,7 +211,7 @@ def train_round(
     else:
         payload, error = compress_update(vec, _compressor(spec), ef)
     residual = ef.residual if ef is not None else state.residual
-    new = _save(work, state.rank, residual, state.velocity)
+    new = _save(work, state.rank, residual)
     new.last_round = state.last_round if r is None else r
     if state.personal is not None:  # the held model stays the global one
         new.params, new.personal = state.params, anchor
@@ -222,20 +231,6 @@ def ring_weight(spec: JobSpec, sizes: list[int], members: list[int], rank: int) 
         weights = capped_weights([sizes[m] for m in members], spec.weight_cap)
         return float(weights[members.index(rank)])
     return 1.0 / len(members)
-
-
-def apply_sum(spec: JobSpec, state: NodeState, total: torch.Tensor, kept: torch.Tensor,
-              lr: float) -> None:  # fmt: skip
-    """Move the held model by the ring's sum, as every member does with the same bits."""
-    if spec.error_feedback:
-        state.residual.add_(kept)  # what the bounded ring's re-selections dropped
-    if spec.sync != "sync":
-        state.params.add_(total)
-    elif spec.compressed_sync:  # plain EF-SGD
-        state.params.sub_(total, alpha=lr)
-    else:
-        state.velocity.mul_(spec.momentum).add_(total)
-        state.params.sub_(state.velocity, alpha=lr)
 
 
 def evaluate(spec: JobSpec, state: NodeState) -> tuple[float, float]:

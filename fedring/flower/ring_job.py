@@ -4,7 +4,9 @@ Every round is one relayed ring all-reduce (`ring_relay.relay`) among the enroll
 nodes in rank order. The nodes hold the model: each adds the same reduced bits, so
 they end every round with identical parameters, which they prove by reporting a
 sha256 (and, every `eval_every` rounds, their test accuracy). The ServerApp only
-relays frames and never sees more than the ring's chunks.
+relays frames and never sees more than the ring's chunks. The nodes train and apply
+the sum with the engine's reducer and distributed optimizer (`ring_member`), so the
+model is the in-process library's, whatever `torch.optim` optimizer the task brings.
 
 A node that fails before the last step breaks the ring for that round: the round
 is retried with the ring re-formed from the survivors (each puts its unsent
@@ -21,7 +23,6 @@ from typing import Any
 from flwr.app import ConfigRecord
 from flwr.serverapp import Grid
 
-from fedring.build import lr_schedule
 from fedring.flower.job import FlowerJob
 from fedring.flower.ring_relay import RingBroken, relay
 
@@ -39,7 +40,6 @@ class RoundsOutcome:
 
 def ring_rounds(grid: Grid, job: FlowerJob, ranks: dict[int, int], numel: int) -> RoundsOutcome:
     spec = job.spec
-    schedule = lr_schedule(spec)
     order = sorted(ranks.items(), key=lambda pair: pair[1])  # (node, rank) in ring order
     dropped: set[int] = set()
     out = RoundsOutcome()
@@ -52,8 +52,8 @@ def ring_rounds(grid: Grid, job: FlowerJob, ranks: dict[int, int], numel: int) -
             if not ring:
                 out.status = f"failed: round {r}: no node left in the ring"
                 return out
-            extra = {n: ConfigRecord({"lr": schedule.lr_at(r), "evaluate": evaluate})
-                     for n, _ in ring}  # fmt: skip
+            # Each node sets its own rates (`build.scaling`, per parameter group).
+            extra = {n: ConfigRecord({"evaluate": evaluate}) for n, _ in ring}
             try:
                 last = relay(grid, ring, r, numel, job.round_timeout_s, spec.policy, extra)
             except RingBroken as exc:

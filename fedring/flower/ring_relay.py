@@ -97,15 +97,15 @@ def handle(
     context: Context,
     rank: int,
     make_input: Callable[[list[int]], Payload],
-    on_result: Callable[[torch.Tensor, torch.Tensor], dict[str, Any]],
+    on_result: Callable[[list[int], torch.Tensor, torch.Tensor], dict[str, Any]],
 ) -> Message:
     """One relayed step on the node (inside a ClientApp's ``train.ring`` function).
 
     The message names the ring (`members`: ranks in ring order, which may be the
     survivors of a broken ring). Step 0 calls ``make_input(members)`` (e.g. compress
     this round's update, scaled by 1/len(members), with error feedback) and keeps it,
-    as frames, in `Context.state`; the last step calls ``on_result(sum, kept)``,
-    whose values ride in the last reply.
+    as frames, in `Context.state`; the last step calls ``on_result(members, sum,
+    kept)`` (e.g. apply the sum), whose values ride in the last reply.
     """
     cfg: Any = msg.content.config_records["ring"]
     r, step, numel = int(cfg["round"]), int(cfg["step"]), int(cfg["numel"])
@@ -137,7 +137,7 @@ def handle(
     )
     if out.result is not None:
         reply["done"] = True
-        reply.update(on_result(*out.result))
+        reply.update(on_result(ranks, *out.result))
     return Message(RecordDict({"ring": reply}), reply_to=msg)
 
 

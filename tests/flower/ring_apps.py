@@ -55,7 +55,7 @@ def rank_query(msg: Message, context: Context) -> Message:
 def ring_step(msg: Message, context: Context) -> Message:
     rank = int(context.node_config["partition-id"])
 
-    def result(total: torch.Tensor, kept: torch.Tensor) -> dict[str, Any]:
+    def result(_members: list[int], total: torch.Tensor, kept: torch.Tensor) -> dict[str, Any]:
         return {"rank": rank, "sum_sha256": flat_sha256(total), "kept_sha256": flat_sha256(kept)}
 
     return ring_relay.handle(msg, context, rank, lambda _: TOPK.compress(ring_input(rank)), result)

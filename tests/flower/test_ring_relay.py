@@ -82,8 +82,11 @@ def test_training_over_the_relayed_ring(tmp_path: Path) -> None:
     """`fedring flower simulate --topology ring`: nodes hold the model, agree on its sha256,
     and move only ring chunks both ways (no dense model comes down after enrolment)."""
     exe = Path(sys.executable).with_name("fedring")
-    args = ["flower", "simulate", "--topology", "ring", "--clients", "2", "--rounds", "2",
-            "--eval-every", "1", "--cpus", "2", "--timeout", "240", "--json"]  # fmt: skip
+    job = tmp_path / "job.toml"  # 1% from the first round: no DGC warm-up at 25% (as in-process)
+    job.write_text("[job]\ndensity_warmup = 0\n")
+    args = ["flower", "simulate", "--config", str(job), "--topology", "ring", "--clients", "2",
+            "--rounds", "2", "--eval-every", "1", "--cpus", "2", "--timeout", "240",
+            "--json"]  # fmt: skip
     r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout)
