@@ -39,6 +39,8 @@ from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.config import JobSpec
 from fedring.counters import Counters
 from fedring.engine.centre import AsyncState, serve, serve_async
+from fedring.engine.plan import Plan
+from fedring.training.models import set_flat_params
 from fedring.transport import topics
 from fedring.transport.mqtt import MqttLink
 from fedring.wire.frame import FrameLimits
@@ -154,3 +156,15 @@ class StarCentre:
     def close(self) -> None:
         self.stop()
         self.endpoint.close()
+
+
+def evaluator(p: Plan, seed: int) -> Evaluate:
+    """(test loss, accuracy) of flat parameters: an asynchronous job's centre holds the
+    model, so the coordinator evaluates it, on the plan's test set."""
+    model = p.task.model(p.dataset, seed)
+
+    def evaluate(params: torch.Tensor) -> tuple[float, float]:
+        set_flat_params(model, params)
+        return p.task.evaluate(model, p.dataset)
+
+    return evaluate

@@ -23,7 +23,7 @@ within `TRY_WITHIN` of the measured all-reduce is tried for as long, the fastest
 and then the job settles on the fastest measured. Each try and the settling are a
 re-plan: logged, counted (``collective_replanned``), an event in the summary, not a
 break of the ring (`Degrade`); the members go on from the round they halted at
-(`coordinator.service`), so a re-plan costs a halt and a manifest, tens of ms. Each
+(`coordinator.epoch.held_round`), so a re-plan costs a halt and a manifest, tens of ms. Each
 candidate runs at most once on the same members before they settle, so re-plans end.
 """
 

@@ -1,0 +1,313 @@
+"""One epoch of a job: its segment run, from the manifests to done or a re-formation.
+
+`SegmentRunner` sends each member its manifest (and the checkpoint's model unless
+they all hold the start), then reads the control queue until every member said
+``bye`` or the ring must re-form: a member lost or back, a nack, no ack or no
+progress in time, or ``auto`` re-planning. On the way it records the head's metrics
+rows, checks the members' model hashes, and checkpoints the head's uploads (and an
+asynchronous job's centre's versions). What each event means is decided in
+`coordinator.epoch`; a re-formation halts the survivors here, and
+`service.Coordinator` starts the next epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import Any
+
+import torch
+
+from fedring.build import needs_centre, plan
+from fedring.config import JobSpec
+from fedring.coordinator import epoch as decide
+from fedring.coordinator import outputs
+from fedring.coordinator.centre import StarCentre, evaluator
+from fedring.coordinator.collectives import CollectivePlans
+from fedring.coordinator.degrade import Degrade
+from fedring.coordinator.epoch import Epoch
+from fedring.coordinator.manifest import segment_docs
+from fedring.coordinator.membership import number
+from fedring.coordinator.options import Options
+from fedring.coordinator.port import ControlPort
+from fedring.engine.plan import Plan
+from fedring.engine.resync import Drift
+from fedring.training.models import flat_sha256
+from fedring.transport.base import Deadline
+from fedring.transport.mqtt import BrokerConfig, Control
+from fedring.wire.control import ControlMessage
+
+log = logging.getLogger(__name__)
+
+
+class SegmentRunner(ControlPort):
+    """Runs one epoch at a time over the port, recording rows and checkpoints."""
+
+    def __init__(self, spec: JobSpec, cfg: BrokerConfig, opts: Options) -> None:
+        super().__init__(cfg)
+        self.spec, self.opts = spec, opts
+        self.centre: StarCentre | None = None  # a star or async job's centre
+        self.plan: Plan | None = None  # computed once: the initial model, the evaluator
+        self.hashes: dict[int, dict[str, str]] = {}
+        self.resynced: set[int] = set()  # rounds that ended with the head's parameters
+        self.drifts: list[tuple[str, int, Drift]] = []  # each member's, before a re-sync
+        self.last_row: dict[str, Any] = {}
+        self.rows: dict[int, dict[str, Any]] = {}  # the head's metrics by round (a redo replaces)
+        self.events: list[dict[str, Any]] = []  # wall-clock times of re-formations
+        self.t0: float | None = None  # training starts: rows carry "wall_s" since then
+        self.start = time.perf_counter()
+        self.wall_before = 0.0  # seconds earlier coordinator processes ran this job
+        self.degrade = Degrade(spec)  # a ring that keeps breaking goes asynchronous
+        self.collectives = CollectivePlans()  # each epoch's collective (`auto`: planned)
+        self.replanning = False  # the epoch ends because `auto` re-plans, not a break
+
+    def _wall(self) -> float:
+        """Seconds the job has run, the coordinator processes before this one included."""
+        return self.wall_before + time.perf_counter() - self.start
+
+    # -- one segment --------------------------------------------------------------
+
+    def _run_segment(self, ep: Epoch) -> bool:
+        """`_segment`, with a star job's centre serving the epoch's rounds beside it."""
+        if self.centre is None or not (needs_centre(self.spec) or self.degrade.active):
+            return self._segment(ep)
+        evaluate = evaluator(self._plan(), self.spec.seed) if self.asynchronous else None
+        spec = self.spec.replace(agents=len(ep.members))
+        if self.degrade.active:
+            spec = spec.replace(sync="async", async_wait=1)
+        self.centre.start(spec, ep.number, ep.members, ep.start, self._params(),
+                          self.fleet.frame_bytes(ep.members), evaluate)  # fmt: skip
+        try:
+            return self._segment(ep)
+        finally:
+            self.centre.stop()
+            self._drain_centre(ep)
+
+    @property
+    def asynchronous(self) -> bool:
+        """This epoch's deltas go through the centre: an async job, or a degraded ring."""
+        return self.spec.sync == "async" or self.degrade.active
+
+    def _plan(self) -> Plan:
+        if self.plan is None:
+            self.plan = plan(self.spec)
+        return self.plan
+
+    def _params(self) -> torch.Tensor:
+        """The model at the checkpoint's round: its parameters, or the plan's initial ones
+        for a derived start not yet checkpointed."""
+        assert self.ck is not None
+        return self.ck.params if self.ck.params is not None else self._plan().initial
+
+    def _drain_centre(self, ep: Epoch) -> bool:
+        """An asynchronous job's new versions: rows, progress, checkpoints. True if any."""
+        assert self.centre is not None and self.ck is not None
+        moved = False
+        while True:
+            try:
+                row, params = self.centre.versions.get_nowait()
+            except queue.Empty:
+                return moved
+            moved = True
+            rnd = int(row["round"])
+            if self.t0 is not None:
+                row["wall_s"] = round(time.perf_counter() - self.t0, 4)
+            self.last_row = self.rows[rnd] = row
+            outputs.append_row(self.opts.out, row)
+            if self.opts.on_round is not None:
+                self.opts.on_round(rnd - 1, row)
+            if params is not None:
+                self._save(ep, params, rnd)
+            if self.degrade.calm(rnd) and self.centre.state is not None:
+                self.centre.state.stop = True  # every agent gets "end" with its next delta
+
+    def _segment(self, ep: Epoch) -> bool:
+        """Run the ring of `ep.members` until done (True) or until it must re-form."""
+        ck = self.ck
+        assert ck is not None
+        log.info("epoch %d: ring %s from round %d", ep.number, ep.members, ep.start)
+        # rounds after the start are run again (another ring may round differently)
+        self.hashes = {r: seen for r, seen in self.hashes.items() if r <= ep.start}
+        collective = self.collectives.plan(self.spec, ep.number, ep.members, self.fleet,
+                                           self._plan().initial.numel(), ep.start)  # fmt: skip
+        docs = segment_docs(ck, ep.members, ep.number, ep.start,
+                            self.fleet.frame_bytes(ep.members),
+                            "async" if self.asynchronous else "ring",
+                            self.fleet.mixed(ep.members), collective, ep.held)  # fmt: skip
+        for agent, doc in docs.items():
+            self._send(agent, "manifest", doc, sign=False)
+            if ck.params is not None and not ep.held:
+                blob = ck.params.numpy().astype("<f4").tobytes()
+                self._send(agent, "model", {"round": ck.round}, blob, round=ck.round)
+        stall = self._stall(ep.members)
+        acks_by = Deadline.after(self.opts.ack_timeout_s)
+        progress = Deadline.after(stall)
+        while True:
+            if self.centre is not None:
+                self.centre.check()  # a centre that failed by itself ends the job with its error
+            if self.asynchronous and self._drain_centre(ep):
+                progress = Deadline.after(stall)
+            if ep.finished:
+                return True
+            if (missing := ep.unacked()) and acks_by.expired:
+                return self._reform(ep, f"no ack from {missing}")
+            if progress.expired:
+                self.counters.add("stalled")
+                return self._reform(ep, f"no progress for {stall:g} s")
+            grown = self._stall(ep.members)  # the probes arrive with the acks
+            if grown > stall:
+                stall, progress = grown, Deadline.after(grown)
+            item = self._next(0.5)
+            if item is None:
+                continue
+            why, moved = self._on_item(ep, item)
+            if moved:
+                progress = Deadline.after(stall)
+            if why:
+                return self._reform(ep, why)
+            if moved and (why := self.collectives.replan(self.spec)):
+                self.counters.add("collective_replanned")
+                self.replanning = True  # a planned re-formation: the ring did not break
+                return self._reform(ep, why)
+
+    def _stall(self, members: list[str]) -> float:
+        return self.opts.stall_s or self.fleet.stall(members, self.spec.timeout_s)
+
+    def _on_item(self, ep: Epoch, item: Control) -> tuple[str, bool]:
+        """(reason to re-form or "", whether the job moved forward)."""
+        assert self.ck is not None
+        if item.kind == "member" and item.event is not None:
+            who, kind = item.src, item.event.kind
+            if who in self.ck.shards and self.centre is not None and self.centre.state is not None:
+                self.degrade.moved(self.centre.state.version)  # not calm yet
+            verdict = decide.on_member(ep, self.ck.shards, who, kind, self.asynchronous)
+            if verdict.lost:
+                self.counters.add("agent_lost")
+            return self._take(ep, who, verdict)
+        msg = self._decode(item)
+        if msg is None or msg.job != self.ck.job:
+            return "", False
+        epoch = msg.doc.get("epoch")
+        if item.kind == "metrics":
+            return "", self._on_metrics(ep, msg)
+        if epoch != ep.number:
+            return "", False  # a late word from an earlier epoch
+        if msg.kind == "ack":
+            ep.acks.add(msg.src)
+            self.fleet.on_ack(msg.src, msg.doc)
+            if self.t0 is None and len(ep.acks) == len(ep.members):
+                self.t0 = time.perf_counter()  # every agent holds its shard and model
+        elif msg.kind == "nack":
+            self.counters.add("agent_nack")
+            self._note_nack(msg)
+            verdict = decide.on_nack(msg.src, str(msg.doc.get("why", "")), self.asynchronous)
+            return self._take(ep, msg.src, verdict)
+        elif msg.kind == "model" and msg.src == ep.members[0]:
+            self._checkpoint(ep, msg)
+            return "", True
+        elif msg.kind == "bye":
+            ep.done[msg.src] = msg.doc
+            return "", True
+        return "", False
+
+    def _take(self, ep: Epoch, who: str, verdict: decide.Verdict) -> tuple[str, bool]:
+        """(the reason to re-form, False); an asynchronous job that goes on without
+        `who` says so, once."""
+        if verdict.drop and ep.went(who):
+            log.warning("%s %s; the asynchronous job goes on without it", who, verdict.drop)
+            self.events.append({"t": time.time(), "epoch": ep.number,
+                                "why": f"{who} {verdict.drop}; went on without it"})  # fmt: skip
+        return verdict.reform, False
+
+    def _on_metrics(self, ep: Epoch, msg: ControlMessage) -> bool:
+        row = msg.doc
+        rnd = row.get("round")
+        if type(rnd) is not int:
+            return False
+        if row.get("resynced") is True:
+            self.resynced.add(rnd)
+            drift = Drift(number(row.get("drift_max_abs")), number(row.get("drift_l2")))
+            self.drifts.append((msg.src, rnd, drift))
+        sha = row.get("sha256")
+        if isinstance(sha, str):
+            seen = self.hashes.setdefault(rnd, {})
+            seen[msg.src] = sha
+            if self.spec.sync == "sync" and not decide.hashes_agree(
+                seen, rnd in self.resynced, self.fleet.machine
+            ):
+                self.counters.add("hash_mismatch")
+                log.error("round %d: model hashes disagree: %s", rnd, seen)
+        if msg.src == ep.members[0]:
+            if self.t0 is not None:
+                row = {**row, "wall_s": round(time.perf_counter() - self.t0, 4)}
+            self.last_row = row
+            row = self.collectives.tag(row)
+            self.collectives.observe(self.spec, rnd, row)
+            self.rows[rnd] = {k: v for k, v in row.items() if k not in ("sha256", "machine")}
+            outputs.append_row(self.opts.out, self.rows[rnd])  # a crash keeps the history
+            if self.opts.on_round is not None:
+                self.opts.on_round(rnd - 1, row)
+            return True
+        return False
+
+    def _checkpoint(self, ep: Epoch, msg: ControlMessage) -> None:
+        assert self.ck is not None
+        numel = len(msg.blob) // 4
+        if len(msg.blob) != numel * 4 or numel == 0:
+            self.counters.add("frame_shape_mismatch")
+            return
+        params = torch.frombuffer(bytearray(msg.blob), dtype=torch.float32).clone()
+        if flat_sha256(params) != msg.doc.get("sha256"):
+            self.counters.add("checkpoint_bad_sha256")
+            log.error("checkpoint of round %d from %s: sha256 mismatch", msg.round, msg.src)
+            return
+        self._save(ep, params, msg.round)
+        # The head waits for this before starting the round: agents never get more
+        # than one round ahead of what a restarted coordinator can resume from.
+        self._send(msg.src, "ack", {"epoch": ep.number, "round": msg.round})
+
+    def _save(self, ep: Epoch, params: torch.Tensor, rnd: int) -> None:
+        """Checkpoint the model at the start of round `rnd`, atomically."""
+        assert self.ck is not None
+        self.ck.params, self.ck.round, self.ck.epoch = params, rnd, ep.number
+        self.ck.events, self.ck.wall_s = self.events, self._wall()
+        started = time.perf_counter()
+        self.ck.save(self.opts.out)
+        self.collectives.saves.append(time.perf_counter() - started)  # the head waits on it
+
+    def _reform(self, ep: Epoch, why: str) -> bool:
+        """Halt the survivors and wait until they stopped; the caller starts a new epoch."""
+        log.warning("epoch %d ends: %s; re-forming from round %d", ep.number, why,
+                    self.ck.round if self.ck else 0)  # fmt: skip
+        assert self.link is not None and self.ck is not None
+        self.events.append({"t": time.time(), "epoch": ep.number, "why": why})
+        for agent in ep.members:
+            if agent in self.link.peers():
+                self._send(agent, "bye", {"epoch": ep.number, "why": "halt"})
+        waiting = {a for a in ep.members if a in self.link.peers()} - set(ep.done)
+        deadline = Deadline.after(self.opts.halt_timeout_s)
+        while waiting and not deadline.expired:
+            item = self._next(0.2)
+            if item is None:
+                continue
+            if item.kind == "member" and item.event is not None:
+                if item.event.kind != "joined":
+                    waiting.discard(item.src)
+                continue
+            msg = self._decode(item)
+            if msg is None:
+                continue
+            this_epoch = msg.job == self.ck.job and msg.doc.get("epoch") == ep.number
+            if item.kind == "metrics" and this_epoch:
+                self._on_metrics(ep, msg)  # a round that ended before the halt may be held
+            if msg.kind == "model" and this_epoch and msg.src == ep.members[0]:
+                self._checkpoint(ep, msg)
+            if msg.kind in ("nack", "bye") and this_epoch:
+                waiting.discard(msg.src)
+                if msg.kind == "nack":
+                    self._note_nack(msg)  # a refusal while the others halt counts too
+                committed, sha = msg.doc.get("committed"), msg.doc.get("sha256")
+                if msg.kind == "nack" and type(committed) is int and isinstance(sha, str):
+                    ep.halted[msg.src] = (committed, sha)
+        return False
