@@ -10,9 +10,10 @@ reports: ``bye`` with its model hash when the job is done, ``nack`` with the las
 completed round when the segment was cut short. On SIGTERM it halts, publishes
 "offline" and exits 0.
 
-Why one module of about 300 lines: the daemon is one state machine (hello,
-manifest, model, segment, halt) whose handlers share the same few fields; the
-training itself is in `worker`, the rounds in the engine.
+Why one module of about 380 lines: the daemon is one state machine (hello,
+manifest, model, segment, halt) whose handlers share the same few fields; a
+manifest is read in `manifest`, the running segment's halt and checkpoint gate are
+`running.Running`, the training itself is in `worker`, the rounds in the engine.
 """
 
 from __future__ import annotations
@@ -23,20 +24,21 @@ import platform
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fedring.build import opens_centre
-from fedring.collective.channel import CollectiveError, CollectiveTimeout
-from fedring.collective.fanout import COLLECTIVES
+from fedring.collective.channel import CollectiveError
 from fedring.compression.probe import codec_cost
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
+from fedring.edge_agent.manifest import collective as _collective
+from fedring.edge_agent.manifest import read_segment, ring_view
+from fedring.edge_agent.running import Running
 from fedring.edge_agent.stage import StageHost
-from fedring.edge_agent.worker import Halted, JobRefused, JobWorker, Segment
+from fedring.edge_agent.worker import JobWorker, Segment
 from fedring.engine.gate import CodeRefused
 from fedring.firmware_profiles.apply import runtime_rss
 from fedring.firmware_profiles.schema import Profile
@@ -56,33 +58,8 @@ SEND_S = 10.0
 # `platform.machine()`), and noise of this size added to its parameters before
 # every round, a stand-in for another CPU's rounding (`engine.resync`).
 MACHINE_ENV, DRIFT_ENV = "FEDRING_MACHINE", "FEDRING_INJECT_DRIFT"
-
-
-@dataclass
-class _Running:
-    seg: Segment
-    thread: threading.Thread
-    halt: threading.Event = field(default_factory=threading.Event)
-    acked: int = 0  # the coordinator has saved the state at the start of this round
-    cond: threading.Condition = field(default_factory=threading.Condition)
-
-    def gate(self, r: int, every: int, patience: float) -> None:
-        """The head starts round r once the state at the last checkpoint round at or
-        before r is saved, so a restarted coordinator redoes at most `every` rounds."""
-        deadline = Deadline.after(patience)
-        need = r - r % every
-        with self.cond:
-            while self.acked < need and not self.halt.is_set():
-                if deadline.expired:
-                    raise CollectiveTimeout(f"no checkpoint ack for round {r}")
-                self.cond.wait(min(0.5, deadline.remaining()))
-        if self.halt.is_set():
-            raise Halted(f"halted before round {r}")
-
-    def ack(self, r: int) -> None:
-        with self.cond:
-            self.acked = max(self.acked, r)
-            self.cond.notify_all()
+_Running = Running  # the names tests use
+__all__ = ["AgentDaemon", "_collective", "ring_view"]
 
 
 class AgentDaemon:
@@ -111,7 +88,7 @@ class AgentDaemon:
         self.endpoint: MqttEndpoint | None = None  # the worker's job: its ring bytes, all epochs
         self.centre: MqttEndpoint | None = None  # a star job's exchanges with the coordinator
         self.link_bytes_at_job = 0  # everything this agent published since the job began
-        self.running: _Running | None = None
+        self.running: Running | None = None
         self.counters_at_job: dict[str, int] = {}
         self.awaiting: Segment | None = None  # manifest received, checkpoint model not yet
         self.jobs_done = 0
@@ -205,17 +182,7 @@ class AgentDaemon:
         self._join()
         try:
             self.codec.key = bytes.fromhex(str(doc["key"]))  # so that a refusal is signed
-            seg = Segment(
-                job=topics.check_id("job", str(doc["job"])), epoch=int(doc["epoch"]),
-                members=ring_view(doc), start_round=int(doc["start_round"]),
-                params_sha256=str(doc.get("params_sha256", "")), head=str(doc["head"]),
-                max_frame_bytes=int(doc.get("max_frame_bytes", 0)),
-                asynchronous=doc.get("mode") == "async", weight=float(doc.get("weight", 0.0)),
-                mixed=doc.get("mixed") is True, collective=_collective(doc),
-            )  # fmt: skip
-            if seg.members[int(doc["rank"])] != self.me:
-                raise JobRefused(f"{self.me} is not rank {doc['rank']} of the ring: "
-                                 f"{doc['peers']}")  # fmt: skip
+            seg = read_segment(doc, self.me)
             if self.worker is None or self.worker.job != seg.job:
                 self._leave_job()  # a new job: the old one's frames are flood from now on
                 assert self.link is not None
@@ -280,7 +247,7 @@ class AgentDaemon:
     def _start(self, seg: Segment) -> None:
         assert self.link is not None and self.worker is not None and self.endpoint is not None
         worker, link, endpoint, centre = self.worker, self.link, self.endpoint, self.centre
-        run = _Running(seg, threading.Thread(), acked=seg.start_round)
+        run = Running(seg, threading.Thread(), acked=seg.start_round)
         halt = run.halt
         patience = 3 * worker.spec.timeout_s
         every = worker.spec.checkpoint_every
@@ -412,25 +379,3 @@ def _step_time(n: int = 3) -> float:
     for _ in range(n):
         (a @ a).sum()
     return (time.perf_counter() - start) / n
-
-
-def ring_view(doc: dict[str, Any]) -> list[str]:
-    """The ring as this agent sees it from its manifest: `world` positions, the names
-    of the members it exchanges with, a placeholder (``~i``, no agent's id) elsewhere."""
-    world, peers = int(doc["world"]), doc["peers"]
-    if not isinstance(peers, dict) or not 1 <= world <= 1024:
-        raise ValueError(f"manifest: 'world'={world!r}, 'peers' must be a table")
-    view = [f"~{i}" for i in range(world)]
-    for pos, name in peers.items():
-        if not 0 <= int(pos) < world:
-            raise ValueError(f"manifest: peer position {pos!r} outside 0..{world - 1}")
-        view[int(pos)] = topics.check_id("peer", str(name))
-    return view
-
-
-def _collective(doc: dict[str, Any]) -> str:
-    """The collective the manifest names for this segment ("" : the job's own)."""
-    value = doc.get("collective", "")
-    if value not in ("", *COLLECTIVES):
-        raise JobRefused(f"manifest field 'collective'={value!r} must be one of {COLLECTIVES}")
-    return str(value)
