@@ -7,28 +7,21 @@ Exit codes: 0 done, 1 failed run, 2 bad input (the message names the option).
 Long work shows progress on a terminal and stays quiet in pipes; `--json` prints
 one JSON object on stdout at the end.
 
-Why one module of about 400 lines: typer reads each command's options from its
-signature, and `simulate` takes every JobSpec field as a flag with its help text;
-the other command groups live in `cli_mqtt`, `cli_flower`, `cli_lab`,
-`cli_profile` and `cli_export`.
+This module builds the command tree and its root options; the commands live by
+group: `cli_simulate`, `cli_bench`, `cli_mqtt` (agent, coordinator, bench mqtt),
+`cli_flower`, `cli_lab` (lab, bench lab, bench grid), `cli_profile` and `cli_export`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-from enum import StrEnum
-from pathlib import Path
-from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress
-from rich.table import Table
 
-from fedring import __version__, cli_export, cli_mqtt, cli_profile
+from fedring import __version__, cli_bench, cli_export, cli_mqtt, cli_profile, cli_simulate
 from fedring.cli_flower import flower_app
 from fedring.cli_lab import bench_grid_cmd, bench_lab_cmd, lab_app
 from fedring.extras import explain
@@ -48,23 +41,18 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 app.command("agent")(cli_mqtt.agent_cmd)
+app.command("simulate")(cli_simulate.simulate_cmd)
 bench_app.command("mqtt")(cli_mqtt.bench_mqtt_cmd)
 bench_app.command("lab")(bench_lab_cmd)
 bench_app.command("grid")(bench_grid_cmd)
+bench_app.command("compress")(cli_bench.bench_compress)
+bench_app.command("ring")(cli_bench.bench_ring)
 app.add_typer(cli_mqtt.coordinator_app, name="coordinator")
 app.add_typer(cli_export.export_app, name="export")
 app.add_typer(cli_profile.profile_app, name="profile")
 app.add_typer(flower_app, name="flower")
 app.add_typer(lab_app, name="lab")
 err = Console(stderr=True)
-
-
-class ValueDtypeChoice(StrEnum):
-    fp32 = "fp32"
-    fp16 = "fp16"
-    bf16 = "bf16"
-    int8 = "int8"
-    sign = "sign"
 
 
 def _version(value: bool) -> None:
@@ -84,365 +72,6 @@ def _root(
         level=logging.INFO if verbose else logging.ERROR,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-
-
-def _emit(result: dict[str, Any], as_json: bool, table: Table) -> None:
-    if as_json:
-        typer.echo(json.dumps(result, sort_keys=True))
-    else:
-        Console().print(table)
-
-
-@bench_app.command("compress")
-def bench_compress(
-    numel: int = typer.Option(10_000_000, min=1, help="Length of the flat gradient."),
-    density: float = typer.Option(
-        0.01, min=1e-6, max=1.0, help="Fraction of entries kept; k = round(density*G)."
-    ),
-    group_size: int = typer.Option(
-        256, min=1, max=65536, help="G: entries per group (<=256: uint8 indices)."
-    ),
-    value_dtype: ValueDtypeChoice = typer.Option(
-        ValueDtypeChoice.fp16, help="Wire dtype of kept values."
-    ),
-    repeats: int = typer.Option(5, min=1, help="Timing runs; the best is reported."),
-    seed: int = typer.Option(0, help="Seed of the random gradient."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
-) -> None:
-    """Group-top-k select+encode against a global torch.topk compressor (GRACE/DGC)."""
-    from fedring.bench import compress
-
-    r = compress.run(numel, density, group_size, value_dtype.value, repeats, seed)
-    _emit(r, as_json, _compress_table(r))
-
-
-@bench_app.command("ring")
-def bench_ring(
-    agents: int = typer.Option(
-        8, min=1, max=256, help="The ring size of interest (always measured)."
-    ),
-    sweep: str = typer.Option(
-        "2,4,8,16", help="More ring sizes to show how bytes scale with N ('' for none)."
-    ),
-    numel: int = typer.Option(1_000_000, min=1, help="Length of each agent's flat gradient."),
-    density: float = typer.Option(0.01, min=1e-6, max=1.0, help="Fraction kept per group."),
-    group_size: int = typer.Option(256, min=1, max=65536, help="G: entries per group."),
-    value_dtype: ValueDtypeChoice = typer.Option(
-        ValueDtypeChoice.fp16, help="Wire dtype of kept values."
-    ),
-    seed: int = typer.Option(0, help="Seed of the agents' random gradients."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
-) -> None:
-    """Bytes per agent: dense ring, sparse exact and bounded rings, DGC sparse all-gather."""
-    from fedring.bench import ring
-
-    try:
-        sizes = [int(s) for s in sweep.split(",") if s.strip()]
-    except ValueError:
-        err.print(f"[red]--sweep {sweep!r}: expected comma-separated ring sizes like 2,4,8[/red]")
-        raise typer.Exit(2) from None
-    if any(not 1 <= s <= 256 for s in sizes):
-        err.print(f"[red]--sweep {sweep!r}: every ring size must be in [1, 256][/red]")
-        raise typer.Exit(2)
-    worlds = sorted({agents, *sizes})
-    with Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
-        task = progress.add_task("ring sizes", total=len(worlds))
-        r = ring.run(
-            agents,
-            sizes,
-            numel,
-            density,
-            group_size,
-            value_dtype.value,
-            seed,
-            on_row=lambda _: progress.advance(task),
-        )
-    _emit(r, as_json, _ring_table(r))
-
-
-@app.command("simulate")
-def simulate_cmd(
-    config: Path | None = typer.Option(None, "--config", help="TOML job file; flags override it."),
-    agents: int | None = typer.Option(None, help="Number of agents N. [4]"),
-    dataset: str | None = typer.Option(
-        None, help="digits | mnist1d | synthetic[:N:D:C] | npz:PATH. [digits]"
-    ),
-    model: str | None = typer.Option(None, help="mlp | cnn | MODULE:FACTORY. [mlp]"),
-    task: str | None = typer.Option(
-        None,
-        help="Your own task instead of --dataset/--model: an entry-point name (group "
-        "fedring.tasks) or MODULE:ATTR importable here (see examples/own_model.py).",
-    ),
-    sharding: str | None = typer.Option(None, help="iid | dirichlet:ALPHA | quantity:BETA. [iid]"),
-    compression: str | None = typer.Option(None, help="none | group-topk. [group-topk]"),
-    density: float | None = typer.Option(None, help="Fraction kept per group. [0.01]"),
-    group_size: int | None = typer.Option(None, help="G, entries per group. [256]"),
-    value_dtype: str | None = typer.Option(None, help="fp32 | fp16 | bf16 | int8. [fp16]"),
-    error_feedback: bool | None = typer.Option(
-        None, "--error-feedback/--no-error-feedback", help="[on]"
-    ),
-    policy: str | None = typer.Option(None, help="Sparse ring policy: bounded | exact. [bounded]"),
-    topology: str | None = typer.Option(
-        None,
-        help="auto | ring | torus (2-D ring: same bytes, fewer steps) | star (allows "
-        "median/trimmed). auto = torus from 9 agents when N = R x C with R >= 3. [auto]",
-    ),
-    collective: str | None = typer.Option(
-        None,
-        help="ring (2(N-1) steps) | fanout (each broadcasts once, all sum) | hub (rank 0 sums "
-        "and broadcasts once): one step instead of 2(N-1) where a round is latency | auto "
-        "(the smallest round an alpha-beta model predicts from the members' probes; "
-        "in-process: codec cost only, no link). [ring]",
-    ),
-    sync: str | None = typer.Option(None, help="sync | local | adaptive | async. [sync]"),
-    local_steps: int | None = typer.Option(
-        None, help="H, local steps per round (local/adaptive/async). [4]"
-    ),
-    aggregation: str | None = typer.Option(
-        None, help="mean | weighted | vote | hybrid:L[-L2] | median | trimmed:B."
-    ),
-    sample: float | None = typer.Option(
-        None, help="star: agents trained per round, a fraction in (0, 1] or a number >= 2 "
-        "(seeded). [1.0: all]",
-    ),
-    sit_out: str | None = typer.Option(
-        None, help="Residual of an agent back from sitting out: keep | reset | decay:G. [keep]"
-    ),
-    async_wait: int | None = typer.Option(None, help="async: apply after this many updates. [1]"),
-    slow: str | None = typer.Option(
-        None, help="async: speed factors, e.g. 3:0 (agent 0 is 3x slower)."
-    ),
-    rounds: int | None = typer.Option(None, help="Communication rounds. [600]"),
-    batch_size: int | None = typer.Option(None, help="Per-agent batch size. [32]"),
-    lr: float | None = typer.Option(
-        None,
-        help="Base learning rate for one node (x N with linear scaling). "
-        "[auto: 0.1 for group-top-k sync (plain EF-SGD), else 0.025]",
-    ),
-    lr_scaling: str | None = typer.Option(None, help="linear | sqrt | none. [linear]"),
-    warmup_steps: int | None = typer.Option(None, help="Gradual warm-up steps. [50]"),
-    momentum: float | None = typer.Option(
-        None,
-        help="SGD momentum for dense rings, local steps and async. Group-top-k sync "
-        "uses none unless --momentum-correction. [0.9]",
-    ),
-    momentum_correction: bool | None = typer.Option(
-        None,
-        "--momentum-correction/--no-momentum-correction",
-        help="Group-top-k sync: momentum inside error feedback (DGC). Lags or collapses "
-        "with 8+ non-iid agents; plain EF-SGD is the default. [off]",
-    ),
-    eval_every: int | None = typer.Option(None, help="Rounds between evaluations. [10]"),
-    bucket_kb: int | None = typer.Option(
-        None,
-        help="Sync: all-reduce the gradient in buckets of about this many KB while "
-        "backward runs (overlap); per-round compute_s, comm_s, step_s in the rows. [0 = off]",
-    ),
-    update_delay: int | None = typer.Option(
-        None,
-        help="Sync: 1 applies each agreed gradient one round late, so the ring runs during "
-        "the next round's compute (SEEDS D). [0 = off]",
-    ),
-    pipeline_stages: int | None = typer.Option(
-        None,
-        help="Model parallelism: cut the model into S stages; the agents form an S x D grid "
-        "(docs/pipeline.md). [1 = off]",
-    ),
-    micro_batches: int | None = typer.Option(
-        None, help="Pipeline: micro-batches per replica batch. [4]"
-    ),
-    pipeline_schedule: str | None = typer.Option(None, help="Pipeline: gpipe | 1f1b. [1f1b]"),
-    activation_dtype: str | None = typer.Option(
-        None, help="Pipeline: activations on the wire, fp32 | fp16. [fp32]"
-    ),
-    pipeline_cost: str | None = typer.Option(
-        None,
-        help="Pipeline: split by counted multiply-adds (the same split and hash on any load) "
-        "| measured (each layer timed here). [counted]",
-    ),
-    target_accuracy: float | None = typer.Option(None, help="Stop once reached (0 = never). [0]"),
-    seed: int | None = typer.Option(None, help="Seed of split, shards, init and batches. [0]"),
-    out: Path | None = typer.Option(
-        None,
-        "--out",
-        help="Write metrics.jsonl, config.toml, summary.json, model.onnx (checked), "
-        "report.md and its PNG plots here.",
-    ),
-    fleet: str | None = typer.Option(
-        None,
-        "--fleet",
-        help="Estimate wall time on boards: NAME[/wifi|/ethernet][:COUNT],... e.g. "
-        "rpi4:4,jetson-orin-nano:2 (sets --agents; see `fedring profile list`).",
-    ),
-    with_dense: bool = typer.Option(
-        False, "--with-dense", help="Also run the dense fp32 ring; report and plot it beside."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
-) -> None:
-    """Train N agents in one process over the in-process transport (real frames)."""
-    given = {k: v for k, v in locals().items() if v is not None}  # before any other local
-    cli_only = ("config", "out", "as_json", "fleet", "with_dense")
-    flags = {k: v for k, v in given.items() if k not in cli_only}
-    from fedring.config import JobSpec
-    from fedring.report import write_report_for
-    from fedring.sim import fleet as fleet_clock
-    from fedring.sim.report import BASELINE_KEYS, dense_twin, write_outputs
-    from fedring.sim.runner import simulate
-
-    try:
-        members = fleet_clock.parse_fleet(fleet) if fleet is not None else None
-        if members is not None:
-            flags.setdefault("agents", len(members))
-        spec = JobSpec.from_toml(config, flags) if config else JobSpec.from_mapping(flags)
-        piped = spec.pipeline_stages > 1  # stages are fitted to the boards' budgets instead
-        if members is not None and not piped:
-            fleet_clock.check_fleet(spec, members)  # before training: size and memory
-        elif members is not None and len(members) != spec.agents:
-            raise fleet_clock.FleetError(
-                f"--fleet has {len(members)} boards but the job has agents={spec.agents}"
-            )
-    except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)  # unwrapped: the numbers stay readable
-        raise typer.Exit(2) from None
-    profiles = [m.profile for m in members] if members is not None and piped else None
-    host = fleet_clock.measure_host(spec) if members is not None and not piped else None
-    with Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
-        bar = progress.add_task(
-            f"{spec.sync} {spec.compression} N={spec.agents}", total=spec.rounds
-        )
-
-        def tick(r: int, row: dict[str, Any]) -> None:
-            progress.update(bar, completed=r + 1, description=cli_mqtt.row_text(row))
-
-        onnx: dict[str, Any] = {}
-        done = cli_export.export_after_run(out, spec.seed, onnx) if out is not None else None
-        try:
-            summary = simulate(spec, on_round=tick, on_done=done, fleet=profiles)
-            dense_spec = dense_twin(spec)
-            baseline = (
-                simulate(dense_spec, fleet=profiles) if with_dense and dense_spec != spec else None
-            )
-        except (ValueError, FileNotFoundError) as exc:  # refused input: shards, model, dataset
-            err.print(f"[red]error: {escape(str(exc))}[/red]")
-            raise typer.Exit(2) from None
-        except Exception as exc:
-            err.print(f"[red]run failed: {type(exc).__name__}: {escape(str(exc))}[/red]")
-            raise typer.Exit(1) from None
-    if members is not None and piped:
-        from fedring.sim.pipeline_clock import estimate_pipeline
-
-        summary.update(estimate_pipeline(spec, summary, members))
-        if baseline is not None:
-            baseline.update(estimate_pipeline(dense_spec, baseline, members))
-    if members is not None and host is not None:
-        summary.update(fleet_clock.estimate(spec, summary, members, host))
-        if baseline is not None:
-            baseline.update(fleet_clock.estimate(dense_spec, baseline, members, host))
-    if baseline is not None:
-        summary["dense_baseline"] = {k: baseline.get(k) for k in BASELINE_KEYS}
-    if out is not None:
-        summary["onnx"] = onnx
-        summary["outputs"] = write_outputs(out, spec, summary)
-        summary["outputs"].update(write_report_for(out, spec, summary, baseline))
-    brief = {k: v for k, v in summary.items() if k not in ("rows", "manifest")}
-    if as_json:
-        typer.echo(json.dumps(brief, sort_keys=True))
-    else:
-        if "plan_text" in brief:
-            Console().print(escape(brief["plan_text"]))
-        Console().print(_simulate_table(spec, brief))
-    if "error" in onnx:
-        err.print(f"[red]ONNX export failed its checks: {escape(str(onnx['error']))}[/red]")
-        raise typer.Exit(1)
-
-
-def _simulate_table(spec: Any, r: dict[str, Any]) -> Table:
-    table = Table(
-        title=f"simulate: {spec.agents} agents, {spec.task or f'{spec.dataset}, {spec.model}'}, "
-        f"{spec.sync}"
-    )
-    table.add_column("", justify="right")
-    table.add_column("value", justify="right")
-    table.add_row("final accuracy", f"{r['final_accuracy']:.4f}")
-    table.add_row("rounds", str(r["rounds"]))
-    table.add_row("layout", str(r.get("layout", "")))
-    table.add_row("bytes sent per agent", f"{r['bytes_sent_per_agent']:,.0f}")
-    table.add_row("dense fp32 ring would send", f"{r['dense_equivalent_bytes']:,.0f}")
-    table.add_row("identical models", str(r["identical_models"]))
-    table.add_row("rollbacks", str(r["rollbacks"]))
-    table.add_row("wall seconds", f"{r['wall_seconds']:.1f}")
-    if "bubble_fraction" in r:
-        table.add_row("pipeline bubble fraction", f"{r['bubble_fraction']:.3f}")
-        table.add_row("samples/s on this host", f"{r['throughput_samples_per_s']:,.0f}")
-        table.add_row("samples/s, S x D machines (est.)",
-                      f"{r['throughput_estimate_samples_per_s']:,.0f}")  # fmt: skip
-    if "sim_seconds" in r:
-        to_target = r["sim_seconds_to_target"]
-        table.add_row(f"simulated seconds on {r['fleet']}", f"{r['sim_seconds']:.1f}")
-        table.add_row(
-            f"simulated seconds to accuracy {r['sim_target_accuracy']}",
-            "not reached" if to_target is None else f"{to_target:.1f}",
-        )
-    return table
-
-
-def _compress_table(r: dict[str, Any]) -> Table:
-    table = Table(
-        title=f"compress {r['numel']:,} fp32, density {r['density']} "
-        f"(k={r['k']} of G={r['group_size']})"
-    )
-    for col in ("", "fedring group-top-k", "global torch.topk", "DGC sampled"):
-        table.add_column(col, justify="right")
-    table.add_row(
-        "select+encode ms",
-        f"{r['group_topk_ms']:.1f}",
-        f"{r['global_topk_ms']:.1f}",
-        f"{r['dgc_sampled_ms']:.1f}",
-    )
-    table.add_row(
-        "speed-up",
-        f"{r['speedup_vs_global_topk']:.1f}x",
-        "1.0x",
-        f"{r['global_topk_ms'] / r['dgc_sampled_ms']:.1f}x",
-    )
-    table.add_row(
-        "bytes", f"{r['bytes_compressed']:,} (wire)", f"{r['bytes_global_topk']:,} (payload)", ""
-    )
-    table.add_row(
-        "dense fp32 / bytes",
-        f"{r['compression_ratio']:.1f}x",
-        f"{r['bytes_dense_fp32'] / r['bytes_global_topk']:.1f}x",
-        "",
-    )
-    table.add_row(
-        "energy kept",
-        f"{r['energy_kept_group_topk']:.3f}",
-        f"{r['energy_kept_global_topk']:.3f}",
-        "",
-    )
-    return table
-
-
-def _ring_table(r: dict[str, Any]) -> Table:
-    table = Table(
-        title=f"bytes sent per agent (x fewer than dense), {r['numel']:,} entries, "
-        f"density {r['density']}, G={r['group_size']}"
-    )
-    schemes = {
-        "dense": "dense fp32",
-        "exact": "exact",
-        "bounded": "bounded",
-        "allgather_dgc": "DGC gather",
-    }
-    table.add_column("N", justify="right")
-    for title in schemes.values():
-        table.add_column(title, justify="right")
-    for row in r["results"]:
-        cells = [
-            f"{row[s]['bytes_per_agent']:,.0f} ({row[s]['ratio_vs_dense']:.1f}x)" for s in schemes
-        ]
-        table.add_row(str(row["agents"]), *cells)
-    return table
 
 
 def main() -> None:
