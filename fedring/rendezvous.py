@@ -20,7 +20,9 @@ Refused before anything is sent: an id that is already online at the broker
 and disconnect it), more agents in the job than `world` (`TooManyAgents`), and too
 few of them within `wait_s` (`RendezvousTimeout`, naming who came and how many are
 missing). A dead broker raises the transport's `BrokerUnreachable`, a refused
-login `BrokerRefused`, both unchanged.
+login `BrokerRefused`, both unchanged. A broker that Nagles small messages (no
+``set_tcp_nodelay true``) is reported with a warning that names the fix
+(`MqttLink.check_broker_nagle`, anonymous links only; ``group.link.broker_nagle``).
 
 The group's frames name the job and a tag of its members' link sessions
 (``j1.3fa2c1d0``): the broker keeps each id's session between runs, and frames
@@ -163,6 +165,7 @@ def connect(
     link = MqttLink(_within(cfg, deadline), agent_id, control_from=(), counters=counters, job=job)
     link.connect()
     try:
+        link.check_broker_nagle()  # a warning naming the fix, counted as broker_nagle
         sessions = _rendezvous(link, world, deadline, started)
         members = tuple(sorted(sessions))
         tag = hashlib.sha256(" ".join(f"{m}:{sessions[m]}" for m in members).encode())

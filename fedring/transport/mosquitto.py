@@ -7,6 +7,8 @@ and retained topics. With `users`, it writes a password file (via
 ``mosquitto_passwd``), refuses anonymous clients and, as examples/mosquitto.conf
 does, makes each client's id its user name (no one can take over another's id);
 `acl` is a path to an ACL file. With `tls`, the listener speaks TLS only.
+``nodelay=False`` leaves out ``set_tcp_nodelay true``: a broker that Nagles its small
+writes, as a default Mosquitto does (tests of the client's check for one).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Mosquitto:
         port: int | None = None,
         prefix: Sequence[str] = (),
         tls: TlsListener | None = None,
+        nodelay: bool = True,
     ) -> None:
         self.binary = mosquitto_binary()
         self.host = host
@@ -79,6 +82,7 @@ class Mosquitto:
         self.acl = Path(acl) if acl else None
         self.sys_interval = sys_interval
         self.tls = tls
+        self.nodelay = nodelay
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = self.dir / "mosquitto.log"
 
@@ -91,7 +95,7 @@ class Mosquitto:
             f"listener {self.port} {self.host}",
             "per_listener_settings false",
             *self._tls_lines(),
-            "set_tcp_nodelay true",
+            *(["set_tcp_nodelay true"] if self.nodelay else []),
             f"allow_anonymous {'false' if self.users else 'true'}",
             "max_inflight_messages 100",
             "max_queued_messages 10000",

@@ -36,6 +36,7 @@ that locking across files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -236,6 +237,23 @@ class _Inbox(queue.Queue[_Item], Generic[_Item]):
 # A refused connection is retried this long (a broker starting up), then reported.
 REFUSED_RETRY_S = 1.0
 
+# A broker that Nagles its writes (Mosquitto without `set_tcp_nodelay true`) holds a
+# small message to a client until the client ACKs the one before, and the client's
+# delayed ACK makes that ~40 ms a message. Measured on loopback (Mosquitto 2.0.11,
+# Linux 6.18, 2 cores shared with load averages of 7-15): two clients ping-ponging
+# 100-byte QoS 1 messages took 41-55 ms an exchange without the option (every one of
+# 120; the fastest of three: 34-50 ms over 30 checks) and 0.2-0.5 ms with it (spikes
+# to 21 ms; the fastest of a check: 0.3-8.3 ms over 30). One connection alone shows
+# nothing (its own echoes took 0.1-0.5 ms either way: the broker's answers to one
+# client go out together), so two throwaway clients exchange up to NAGLE_EXCHANGES
+# messages, and the broker Nagles only if even the fastest took NAGLE_STALL_S: one
+# fast exchange ends the check (~5 ms in all; ~140 ms on a Nagle broker).
+NAGLE_EXCHANGES = 3
+NAGLE_STALL_S = 0.025
+NAGLE_CHECK_S = 1.5  # the check's own deadline: connects and exchanges
+NAGLE_FIX = ("broker delays small messages (Nagle): add `set_tcp_nodelay true` to "
+             "mosquitto.conf; see docs/operations/troubleshooting.md")  # fmt: skip
+
 
 class MqttLink:
     """One identity's connection to the broker."""
@@ -289,6 +307,7 @@ class MqttLink:
         self._silent: dict[str, str] = {}  # peer -> session taken for lost by its silence
         self._beater: threading.Thread | None = None
         self._stop_beats = threading.Event()
+        self.broker_nagle: bool | None = None  # `check_broker_nagle`'s finding (None: unchecked)
 
     # -- connection -----------------------------------------------------------
 
@@ -330,6 +349,7 @@ class MqttLink:
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
+        client.on_publish = self._on_ack
         client.on_log = self._on_log
         client.message_callback_add(topics.status(self.me), self._on_own_status)  # issue 27
         self._client = client
@@ -521,7 +541,11 @@ class MqttLink:
 
     # -- incoming -------------------------------------------------------------
 
-    def _on_message(self, _c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+    def _on_ack(self, client: mqtt.Client, *_: Any) -> None:
+        _quick_ack(client)
+
+    def _on_message(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        _quick_ack(client)
         try:
             self._route(msg.topic, bytes(msg.payload), bool(msg.retain))
         except Exception:  # a callback that raises would stop paho's network loop
@@ -766,11 +790,15 @@ class MqttLink:
         ``rtt_s``: the best of three tiny messages there and back. ``up_bps``: `total`
         bytes published (QoS 1) until the broker acknowledged the last, less one round
         trip. ``link_bps``: the same bytes there and back. ``down_bps``: from the time
-        the pieces took to come back (`_down_bps`).
+        the pieces took to come back (`_down_bps`). ``broker_nagle``: 1.0 if the broker
+        delays small messages (`check_broker_nagle`; 0.0 if not, or not checked; absent
+        from a closed link's).
         """
         out = {"rtt_s": 0.0, "up_bps": 0.0, "down_bps": 0.0, "link_bps": 0.0}
         if self._closed or self._client is None:
             return out
+        nagle = self.check_broker_nagle() if self.broker_nagle is None else self.broker_nagle
+        out["broker_nagle"] = 1.0 if nagle else 0.0
         while not self._probe_seen.empty():
             self._probe_seen.get_nowait()
         deadline = Deadline.after(10.0)
@@ -798,8 +826,31 @@ class MqttLink:
         self.stats.bytes_sent += 9 + pieces * piece
         size = pieces * piece
         up_bps = size / max(up - rtt, 1e-6)
-        return {"rtt_s": rtt, "up_bps": up_bps, "down_bps": _down_bps(size, piece, up_bps,
-                both - rtt), "link_bps": size / max(both, 1e-9)}  # fmt: skip
+        return {**out, "rtt_s": rtt, "up_bps": up_bps, "down_bps": _down_bps(size, piece,
+                up_bps, both - rtt), "link_bps": size / max(both, 1e-9)}  # fmt: skip
+
+    def check_broker_nagle(self) -> bool | None:
+        """Whether the broker Nagles small messages (`NAGLE_STALL_S`): if so, warn once
+        naming the fix and count ``broker_nagle``. None: not checked.
+
+        Two throwaway clients (ids ``fedring-{me}-nagle-*``, clean sessions) ping-pong
+        on sub-topics of our probe topic; it takes well under 0.1 s on a good broker and
+        at most `NAGLE_CHECK_S`. Skipped with a user name: a broker that makes each
+        client id its user name (examples/mosquitto.conf) would hand them our session.
+        Our own link acks at once (`_quick_ack`), which hides most of the delay on
+        Linux, but the broker still Nagles every other client it serves.
+        """
+        if self.cfg.username is not None or self._closed:
+            return None
+        fastest = _nagle_exchange(self.cfg, self.me)
+        if fastest is None:
+            return None
+        self.broker_nagle = fastest >= NAGLE_STALL_S
+        if self.broker_nagle:
+            self.counters.add("broker_nagle")
+            log.warning("%s: %s (a small message there and back took %.0f ms at best)",
+                        self.me, NAGLE_FIX, fastest * 1e3)  # fmt: skip
+        return self.broker_nagle
 
     def interrupt(self, channel_job: str) -> None:
         """Wake a `PeerChannel` of `channel_job` blocked in `recv`: it raises
@@ -998,3 +1049,74 @@ def _down_bps(size: int, piece: int, up_bps: float, seconds: float) -> float:
     """
     slower = seconds - piece / up_bps
     return min(size / slower, up_bps) if slower > 0 else up_bps
+
+
+def _quick_ack(client: mqtt.Client) -> None:
+    """ACK what the broker sent now (Linux's TCP_QUICKACK; it lapses, so it is re-armed
+    after every packet we read): a broker that Nagles waits for our ACK before its next
+    small write, and a delayed ACK makes that wait ~40 ms (`NAGLE_STALL_S`)."""
+    sock = client.socket()
+    if isinstance(sock, socket.socket) and hasattr(socket, "TCP_QUICKACK"):
+        with contextlib.suppress(OSError):  # closing under us: the next connection re-arms it
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+
+
+def _nagle_exchange(cfg: BrokerConfig, me: str) -> float | None:
+    """Seconds of the fastest of up to NAGLE_EXCHANGES small round trips between two
+    throwaway clients through the broker (None: they could not connect or exchange)."""
+    tag = os.urandom(4).hex()
+    deadline = Deadline.after(NAGLE_CHECK_S)
+    got = {side: queue.Queue[float]() for side in "ab"}
+    clients: list[mqtt.Client] = []
+    try:
+        for side in "ab":
+            topic = f"{topics.probe(me)}/nagle-{tag}/{side}"
+            clients.append(_nagle_client(cfg, f"fedring-{me}-nagle-{tag}-{side}", topic,
+                                         got[side], deadline))  # fmt: skip
+        a, b = clients
+        fastest = math.inf
+        for _ in range(NAGLE_EXCHANGES):
+            start = time.perf_counter()
+            a.publish(f"{topics.probe(me)}/nagle-{tag}/b", bytes(100), qos=1)
+            got["b"].get(timeout=max(deadline.remaining(), 1e-3))
+            b.publish(f"{topics.probe(me)}/nagle-{tag}/a", bytes(100), qos=1)
+            got["a"].get(timeout=max(deadline.remaining(), 1e-3))
+            fastest = min(fastest, time.perf_counter() - start)
+            if fastest < NAGLE_STALL_S:
+                break
+        return fastest
+    except (queue.Empty, OSError, ValueError, TransportError) as exc:
+        log.info("%s: could not check the broker for Nagle (%s)", me, exc or "no echo")
+        return None
+    finally:
+        for client in clients:
+            client.disconnect()
+            client.loop_stop()
+
+
+def _nagle_client(cfg: BrokerConfig, cid: str, topic: str, got: queue.Queue[float],
+                  deadline: Deadline) -> mqtt.Client:  # fmt: skip
+    """A clean-session client subscribed to `topic`, which puts each arrival's time in
+    `got`; without TCP_QUICKACK, as most clients run."""
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=cid, protocol=mqtt.MQTTv311,
+                         clean_session=True)  # fmt: skip
+    ready = threading.Event()
+
+    def on_connect(c: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
+        sock = c.socket()
+        if not rc.is_failure and isinstance(sock, socket.socket):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            c.subscribe(topic, qos=1)
+
+    client.on_connect = on_connect
+    client.on_subscribe = lambda *_: ready.set()
+    client.on_message = lambda *_: got.put(time.perf_counter())
+    if cfg.tls:
+        client.tls_set(ca_certs=cfg.ca, certfile=cfg.cert, keyfile=cfg.key)
+    client.connect(cfg.host, cfg.port, keepalive=max(cfg.keepalive, 5))
+    client.loop_start()
+    if not ready.wait(max(deadline.remaining(), 1e-3)):
+        client.disconnect()
+        client.loop_stop()
+        raise TransportError(f"{cid} was not subscribed at {cfg.url} in time")
+    return client
