@@ -49,7 +49,7 @@ from fedring.engine.initial import INITIAL_POLICIES, InitialPolicy, start_togeth
 from fedring.engine.overlap import BucketOverlap, DelayedUpdate, Yielder
 from fedring.engine.participation import SitOut, per_round, sampled
 from fedring.engine.reducer import Reducer
-from fedring.engine.running_stats import average, running_stats
+from fedring.engine.running_stats import BUFFERS_BUCKET, RUNNING_STATS, average, running_stats
 from fedring.engine.steps import InnerStepGuard, diagnosed
 from fedring.engine.sync_settings import SyncSettings
 from fedring.engine.wrapped import WrappedOptimizer, copied
@@ -57,7 +57,8 @@ from fedring.training.models import flat_grads, flat_params, set_flat_params
 
 _UNSET: Any = object()  # `model=` not passed at all (None is a choice: no buffers)
 
-__all__ = ["DistributedOptimizer", "StepTimes", "SyncSettings"]
+# BUFFERS_BUCKET and RUNNING_STATS stay importable from here, where they were defined
+__all__ = ["BUFFERS_BUCKET", "RUNNING_STATS", "DistributedOptimizer", "StepTimes", "SyncSettings"]
 
 
 @dataclass
