@@ -152,7 +152,7 @@ def test_a_member_on_another_step_is_named_with_both_steps() -> None:
         opt.step()
 
     with pytest.raises(fedring.StepMismatch) as caught:
-        on_threads(2, agent, timeout_s=1.0)
+        on_threads(2, agent, timeout_s=5.0)  # the start, too, must fit on a loaded machine
     err = caught.value
     assert isinstance(err, CollectiveTimeout)  # callers that catch timeouts still do
     assert (err.member, err.step, err.peers) in [("agent-0", 0, {"agent-1": 3}),
