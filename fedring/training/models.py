@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import math
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 SPECS = ("mlp", "mlp:W1xW2...", "cnn", "MODULE:FACTORY")
 
 _Builder = Callable[[tuple[int, ...], int], nn.Sequential]
+_GLOBAL_RNG = threading.RLock()  # held while a build seeds and draws from torch's generator
 
 
 class ModelError(ValueError):
@@ -206,7 +208,10 @@ def build_model(
         builder = lambda shape, classes: _mlp(shape, classes, widths)  # noqa: E731
     if builder is None and ":" not in spec:
         raise ModelError(f"model spec {spec!r} is unknown; expected one of {', '.join(SPECS)}")
-    with torch.random.fork_rng():
+    # torch's global generator is one per process, shared by threads: members built on
+    # threads at once (the library's `plan` in each) seeded and drew from it in turn, and
+    # one run in eight started from another model. Builds take turns.
+    with _GLOBAL_RNG, torch.random.fork_rng():
         torch.manual_seed(seed)
         if builder is None:
             return _from_factory(spec, shape, num_classes)

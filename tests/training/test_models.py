@@ -234,3 +234,27 @@ def test_mlp_widths_set_the_hidden_layers() -> None:
 def test_bad_mlp_widths_are_refused_with_the_spec(spec: str) -> None:
     with pytest.raises(ModelError, match="mlp:W1xW2"):
         build_model(spec, (1, 8, 8), 10, seed=0)
+
+
+def test_models_built_on_threads_at_once_are_the_seeds_models() -> None:
+    """torch's global generator is shared by threads: builds that seed and draw from it
+    at the same time took each other's numbers (one library run in eight began from
+    another model). They take turns."""
+    import threading
+
+    from fedring.training.models import build_model, params_sha256
+
+    want = params_sha256(build_model("mlp", (1, 8, 8), 10, seed=0))
+    start = threading.Barrier(6)
+    got: list[str] = []
+
+    def builds() -> None:
+        start.wait()
+        got.extend(params_sha256(build_model("mlp", (1, 8, 8), 10, seed=0)) for _ in range(30))
+
+    threads = [threading.Thread(target=builds) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got.count(want) == len(got) == 180
