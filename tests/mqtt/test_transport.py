@@ -314,7 +314,7 @@ def test_a_watcher_ignores_its_own_beats_and_counts_malformed_ones(broker: Mosqu
 
 
 def test_the_link_probe_measures_a_round_trip_and_both_directions(broker: Mosquitto) -> None:
-    from fedring.transport.mqtt import _down_bps
+    from fedring.transport.mqtt_probe import down_bps
 
     link = MqttLink(BrokerConfig.parse(broker.url), "p").connect()
     try:
@@ -326,6 +326,6 @@ def test_the_link_probe_measures_a_round_trip_and_both_directions(broker: Mosqui
         link.close()
     assert link.probe_link() == {"rtt_s": 0.0, "up_bps": 0.0, "down_bps": 0.0, "link_bps": 0.0}
     # 256 KB in 64 KB pieces, up at 1 MB/s: the echo took piece/up + size/down
-    assert _down_bps(262_144, 65_536, 1e6, 65_536 / 1e6 + 262_144 / 5e5) == pytest.approx(5e5)
-    assert _down_bps(262_144, 65_536, 1e6, 0.3) == 1e6  # paced by the up link
-    assert _down_bps(262_144, 65_536, 1e6, 0.01) == 1e6  # noise: the up link's rate
+    assert down_bps(262_144, 65_536, 1e6, 65_536 / 1e6 + 262_144 / 5e5) == pytest.approx(5e5)
+    assert down_bps(262_144, 65_536, 1e6, 0.3) == 1e6  # paced by the up link
+    assert down_bps(262_144, 65_536, 1e6, 0.01) == 1e6  # noise: the up link's rate

@@ -1,0 +1,276 @@
+"""One MQTT link's connection to the broker: connect, reconnect, publish.
+
+`Connection` owns the paho client and everything about the session with the broker:
+connecting (MQTT 5 falling back to 3.1.1 when asked, a refused connection retried
+briefly, TLS errors named), the retained presence and the will that marks us ``lost``,
+and the reconnects paho makes with backoff and jitter. What the link does on top
+(subscribing, reading messages, watching peers, stepping back for another holder of our
+id: `mqtt_session`) it hears through `Hooks`.
+
+Locking: paho's network thread runs the `on_*` callbacks; the caller's thread runs
+`connect` and `publish`. They share only the `connected` and `ready` events
+and the ``closed`` flag (set once, never cleared); the rest is written before
+``loop_start`` or on paho's thread alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from fedring.counters import Counters
+from fedring.transport import topics
+from fedring.transport.base import (
+    Deadline,
+    EndpointClosed,
+    LinkStats,
+    TransportError,
+    TransportTimeout,
+)
+from fedring.transport.mqtt_broker import (
+    BrokerConfig,
+    BrokerRefused,
+    BrokerTlsError,
+    BrokerUnreachable,
+    tls_hint,
+    tls_set,
+)
+
+log = logging.getLogger("fedring.transport.mqtt")
+
+# A refused connection is retried this long (a broker starting up), then reported.
+REFUSED_RETRY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the link does when its connection changes; all run on paho's thread."""
+
+    up: Callable[[mqtt.Client, bool], None]  # connected (True: a reconnect): subscribe
+    down: Callable[[], None]  # the broker is gone for now; paho reconnects
+    received: Callable[[str, bytes, bool], None]  # topic, payload, retained
+    own_status: Callable[[mqtt.Client, mqtt.MQTTMessage], None]  # our retained presence
+
+
+class Connection:
+    """The broker session of identity `me`; ``closed`` once it said goodbye or stepped back."""
+
+    def __init__(self, cfg: BrokerConfig, me: str, job: str | None, counters: Counters,
+                 stats: LinkStats) -> None:  # fmt: skip
+        self.cfg, self.me, self.job, self.counters, self.stats = cfg, me, job, counters, stats
+        self.session = os.urandom(6).hex()
+        self.client: mqtt.Client | None = None
+        self.connected = threading.Event()
+        self.closed = False
+        self.v5 = cfg.protocol != "3.1.1"
+        self._connack: tuple[bool, str] | None = None
+        self._ready = threading.Event()  # the broker answered our CONNECT (or TLS failed)
+        self.resumed = False  # the latest subscription was made on a reconnect
+        self._hooks: Hooks | None = None
+
+    def connect(self, hooks: Hooks) -> None:
+        """Connect (falling back to MQTT 3.1.1 if asked or needed) and announce presence."""
+        self._hooks = hooks
+        try:
+            self._connect_once()
+        except BrokerRefused as exc:
+            if self.cfg.protocol != "auto" or "protocol" not in str(exc).lower():
+                raise
+            log.info("broker refused MQTT 5 (%s); falling back to 3.1.1", exc)
+            self.v5 = False
+            self._connect_once()
+
+    def _connect_once(self) -> None:
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fedring-{self.me}",
+                             protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311,
+                             clean_session=None if self.v5 else False)  # fmt: skip
+        if self.cfg.username is not None:
+            client.username_pw_set(self.cfg.username, self.cfg.password)
+        if self.cfg.tls:
+            tls_set(client, self.cfg)
+        # Backoff doubles from ~1 s to 8 s; the jitter keeps a fleet from reconnecting in step.
+        backoff = (1 + random.random(), self.cfg.reconnect_max_s)
+        client.reconnect_delay_set(*backoff)  # type: ignore[arg-type]
+        client.max_queued_messages_set(self.cfg.max_queued)
+        client.max_inflight_messages_set(100)
+        will_props = None
+        if self.v5:  # a broker restart must not look like a death: reconnecting cancels it
+            will_props = Properties(PacketTypes.WILLMESSAGE)
+            will_props.WillDelayInterval = self.cfg.will_delay_s
+        client.will_set(topics.status(self.me), self.status("lost"), 1, True,
+                        properties=will_props)  # fmt: skip
+        client.on_connect, client.on_disconnect = self._on_connect, self._on_disconnect
+        client.on_message, client.on_publish = self._on_message, self._on_ack
+        client.on_log = self._on_log
+        client.message_callback_add(topics.status(self.me), self._on_own_status)  # issue 27
+        self.client = client
+        self._ready.clear()
+        props = None
+        if self.v5:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self.cfg.session_expiry_s
+        self._open(client, props)
+        client.loop_start()
+        if not self._ready.wait(self.cfg.connect_timeout_s):
+            self._stop_client()
+            raise BrokerUnreachable(
+                f"no answer from broker {self.cfg.url} within {self.cfg.connect_timeout_s:g} s "
+                "(is mosquitto running, and is the host and port right?)"
+            )
+        ok, reason = self._connack or (False, "no CONNACK")
+        if not ok:
+            self._stop_client()
+            if reason.startswith("TLS"):
+                raise BrokerTlsError(f"broker {self.cfg.url}: {reason}{tls_hint(self.cfg, reason)}")
+            who = f" as user {self.cfg.username!r}" if self.cfg.username else " anonymously"
+            raise BrokerRefused(f"broker {self.cfg.url} refused {self.me!r}{who}: {reason}")
+
+    def _open(self, client: mqtt.Client, props: Properties | None) -> None:
+        """TCP (and the TLS handshake) here, where their errors can be named. A refused
+        connection is answered at once: retry it briefly (a broker starting up), then say
+        so, rather than wait out connect_timeout_s (issue 27)."""
+        where, keepalive = (self.cfg.host, self.cfg.port), self.cfg.keepalive
+        refused_until = Deadline.after(min(REFUSED_RETRY_S, self.cfg.connect_timeout_s))
+        pause = 0.1
+        while True:
+            try:
+                client.connect(*where, keepalive=keepalive, properties=props)
+            except ssl.SSLError as exc:
+                raise BrokerTlsError(f"TLS handshake with broker {self.cfg.url} failed: {exc}"
+                                     f"{tls_hint(self.cfg, str(exc))}") from None  # fmt: skip
+            except ConnectionRefusedError as exc:
+                if refused_until.expired:
+                    raise BrokerUnreachable(
+                        f"broker {self.cfg.url} refused the connection ({exc}): is mosquitto "
+                        "running, and is the host and port right?"
+                    ) from None
+                time.sleep(min(pause * (1 + random.random()), refused_until.remaining()))
+                pause *= 2
+                continue
+            except OSError:  # no route or no answer yet: paho retries until our deadline
+                client.connect_async(*where, keepalive=keepalive, properties=props)
+            except ValueError as exc:
+                raise BrokerUnreachable(f"broker {self.cfg.url}: {exc}") from exc
+            return
+
+    def status(self, state: str) -> bytes:
+        """Our presence document: `state`, our session, our keep-alive (watchers' silence
+        limit) and our job, if we were given one."""
+        doc: dict[str, Any] = {"state": state, "session": self.session, "ts": time.time(),
+                               "keepalive": self.cfg.keepalive}  # fmt: skip
+        if self.job is not None:
+            doc["job"] = self.job
+        return json.dumps(doc).encode()
+
+    # -- paho's thread ------------------------------------------------------------------
+
+    def _on_log(self, _c: mqtt.Client, _u: Any, level: int, text: str) -> None:
+        """Before the first CONNACK, a TLS error on the socket is the broker's answer: a
+        missing client certificate shows only here, when the broker's alert is read."""
+        tls = "SSL" in text or "_ssl.c" in text
+        if level == mqtt.MQTT_LOG_ERR and tls and not self._ready.is_set():
+            self._connack = (False, f"TLS: {text}")
+            self._ready.set()
+
+    def _on_connect(self, client: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
+        if rc.is_failure:
+            self._connack = (False, str(rc))
+            self._ready.set()
+            return
+        sock = client.socket()
+        if isinstance(sock, socket.socket):  # small QoS 1 frames: Nagle would add ~40 ms each
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Under MQTT 5 a restarted process's first connect resumes its predecessor's session,
+        # which cancels the predecessor's delayed will: the retained "online" it finds may
+        # be a dead process's, so only a reconnect's may make it step back (`Session`).
+        reconnect = self.resumed = self._connack is not None and self._connack[0]
+        assert self._hooks is not None  # set by `connect`, before paho's thread starts
+        self._hooks.up(client, reconnect)
+        client.publish(topics.status(self.me), self.status("online"), qos=1, retain=True)
+        if reconnect:
+            self.counters.add("mqtt_reconnect")
+            log.info("%s reconnected to %s", self.me, self.cfg.url)
+        self._connack = (True, "")
+        self.connected.set()
+        self._ready.set()
+
+    def _on_disconnect(self, _c: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
+        self.connected.clear()
+        if self._hooks is not None:
+            self._hooks.down()
+        if not self.closed and self._connack is not None and self._connack[0]:
+            self.counters.add("mqtt_disconnect")
+            log.warning("%s lost the broker %s (%s); reconnecting", self.me, self.cfg.url, rc)
+
+    def _on_ack(self, client: mqtt.Client, *_: Any) -> None:
+        quick_ack(client)
+
+    def _on_own_status(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        assert self._hooks is not None
+        self._hooks.own_status(client, msg)
+
+    def _on_message(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        quick_ack(client)
+        try:
+            assert self._hooks is not None
+            self._hooks.received(msg.topic, bytes(msg.payload), bool(msg.retain))
+        except Exception:  # a callback that raises would stop paho's network loop
+            self.counters.add("mqtt_callback_error")
+            log.exception("%s: error handling a message on %s", self.me, msg.topic)
+
+    # -- the caller's thread ------------------------------------------------------------
+
+    def publish(self, topic: str, data: bytes, deadline: Deadline, *, retain: bool = False) -> None:
+        """QoS 1 publish; waits for room in the outgoing queue until `deadline`."""
+        if self.closed or self.client is None:
+            raise EndpointClosed(f"link {self.me!r} is closed")
+        while True:
+            info = self.client.publish(topic, data, qos=1, retain=retain)
+            if info.rc == mqtt.MQTT_ERR_SUCCESS or info.rc == mqtt.MQTT_ERR_NO_CONN:
+                break  # NO_CONN: queued, sent once we reconnect
+            if info.rc != mqtt.MQTT_ERR_QUEUE_SIZE:
+                raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+            if deadline.expired:
+                self.counters.add("send_queue_full")
+                raise TransportTimeout(f"outgoing queue of {self.me!r} stayed full")
+            time.sleep(0.005)
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += len(data)
+
+    def beat(self) -> bool:
+        """One heartbeat, ``SESSION KEEPALIVE`` at QoS 0 (False: not connected, not sent)."""
+        client = self.client
+        if client is None or not self.connected.is_set():
+            return False
+        client.publish(topics.beat(self.me), f"{self.session} {self.cfg.keepalive}".encode(), qos=0)
+        return True
+
+    def _stop_client(self) -> None:
+        if self.client is not None:
+            self.client.loop_stop()
+            self.client.disconnect()
+
+
+def quick_ack(client: mqtt.Client) -> None:
+    """ACK what the broker sent now (Linux's TCP_QUICKACK; it lapses, so it is re-armed
+    after every packet we read): a broker that Nagles waits for our ACK before its next
+    small write, and a delayed ACK makes that wait ~40 ms (`NAGLE_STALL_S`)."""
+    sock = client.socket()
+    if isinstance(sock, socket.socket) and hasattr(socket, "TCP_QUICKACK"):
+        with contextlib.suppress(OSError):  # closing under us: the next connection re-arms it
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
