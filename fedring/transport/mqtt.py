@@ -123,8 +123,7 @@ class MqttLink:
         self.control = self._inboxes.control
         self._presence = Presence(cfg, self.me, self.counters, self._inboxes.emit,
                                   self._conn.connected)  # fmt: skip
-        self._heart = Heartbeat(cfg.keepalive, f"beat-{self.me}", self._conn.beat,
-                                self._presence if watch else None)  # fmt: skip
+        self._heart = Heartbeat(self._conn, self._presence if watch else None)
         self._session = Session(self._conn, self._heart.stop.set)
         self._probe = Probe(self._conn)
         self._router = Router(

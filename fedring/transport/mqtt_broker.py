@@ -2,20 +2,25 @@
 
 `BrokerConfig` is a link's whole configuration (parsed from ``mqtt://`` or ``mqtts://``
 URLs); the exceptions name what went wrong at connect; `tls_set` and `tls_hint` load
-TLS files and turn an SSL error into the likely fix. `fedring.transport.mqtt` re-exports
+TLS files and turn an SSL error into the likely fix; `open_socket` opens the TCP
+connection and names what refused it. `fedring.transport.mqtt` re-exports
 everything here.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import ssl
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.properties import Properties
 
-from fedring.transport.base import TransportError
+from fedring.transport.base import Deadline, TransportError
 
 
 class BrokerUnreachable(TransportError):
@@ -138,3 +143,38 @@ def tls_hint(cfg: BrokerConfig, error: str) -> str:
     if "UNKNOWN_CA" in error or "BAD_CERTIFICATE" in error:
         return f" (the broker does not trust the client certificate --cert {cfg.cert!r})"
     return ""
+
+
+# A refused connection is retried this long (a broker starting up), then reported.
+REFUSED_RETRY_S = 1.0
+
+
+def open_socket(client: mqtt.Client, cfg: BrokerConfig, props: Properties | None) -> None:
+    """Open `client`'s TCP connection (and TLS handshake) here, where their errors can be
+    named; the broker's CONNACK comes later, on paho's thread. A refused connection is
+    answered at once: retry it briefly (a broker starting up), then say so, rather than
+    wait out connect_timeout_s (issue 27). No route or no answer yet: paho retries in
+    the background until the caller's deadline."""
+    where, keepalive = (cfg.host, cfg.port), cfg.keepalive
+    refused_until = Deadline.after(min(REFUSED_RETRY_S, cfg.connect_timeout_s))
+    pause = 0.1
+    while True:
+        try:
+            client.connect(*where, keepalive=keepalive, properties=props)
+        except ssl.SSLError as exc:
+            raise BrokerTlsError(f"TLS handshake with broker {cfg.url} failed: {exc}"
+                                 f"{tls_hint(cfg, str(exc))}") from None  # fmt: skip
+        except ConnectionRefusedError as exc:
+            if refused_until.expired:
+                raise BrokerUnreachable(
+                    f"broker {cfg.url} refused the connection ({exc}): is mosquitto "
+                    "running, and is the host and port right?"
+                ) from None
+            time.sleep(min(pause * (1 + random.random()), refused_until.remaining()))
+            pause *= 2
+            continue
+        except OSError:
+            client.connect_async(*where, keepalive=keepalive, properties=props)
+        except ValueError as exc:
+            raise BrokerUnreachable(f"broker {cfg.url}: {exc}") from exc
+        return

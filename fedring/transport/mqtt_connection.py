@@ -21,7 +21,6 @@ import logging
 import os
 import random
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -47,14 +46,12 @@ from fedring.transport.mqtt_broker import (
     BrokerRefused,
     BrokerTlsError,
     BrokerUnreachable,
+    open_socket,
     tls_hint,
     tls_set,
 )
 
 log = logging.getLogger("fedring.transport.mqtt")
-
-# A refused connection is retried this long (a broker starting up), then reported.
-REFUSED_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -124,7 +121,7 @@ class Connection:
         if self.v5:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.cfg.session_expiry_s
-        self._open(client, props)
+        open_socket(client, self.cfg, props)
         client.loop_start()
         if not self._ready.wait(self.cfg.connect_timeout_s):
             self._stop_client()
@@ -139,34 +136,6 @@ class Connection:
                 raise BrokerTlsError(f"broker {self.cfg.url}: {reason}{tls_hint(self.cfg, reason)}")
             who = f" as user {self.cfg.username!r}" if self.cfg.username else " anonymously"
             raise BrokerRefused(f"broker {self.cfg.url} refused {self.me!r}{who}: {reason}")
-
-    def _open(self, client: mqtt.Client, props: Properties | None) -> None:
-        """TCP (and the TLS handshake) here, where their errors can be named. A refused
-        connection is answered at once: retry it briefly (a broker starting up), then say
-        so, rather than wait out connect_timeout_s (issue 27)."""
-        where, keepalive = (self.cfg.host, self.cfg.port), self.cfg.keepalive
-        refused_until = Deadline.after(min(REFUSED_RETRY_S, self.cfg.connect_timeout_s))
-        pause = 0.1
-        while True:
-            try:
-                client.connect(*where, keepalive=keepalive, properties=props)
-            except ssl.SSLError as exc:
-                raise BrokerTlsError(f"TLS handshake with broker {self.cfg.url} failed: {exc}"
-                                     f"{tls_hint(self.cfg, str(exc))}") from None  # fmt: skip
-            except ConnectionRefusedError as exc:
-                if refused_until.expired:
-                    raise BrokerUnreachable(
-                        f"broker {self.cfg.url} refused the connection ({exc}): is mosquitto "
-                        "running, and is the host and port right?"
-                    ) from None
-                time.sleep(min(pause * (1 + random.random()), refused_until.remaining()))
-                pause *= 2
-                continue
-            except OSError:  # no route or no answer yet: paho retries until our deadline
-                client.connect_async(*where, keepalive=keepalive, properties=props)
-            except ValueError as exc:
-                raise BrokerUnreachable(f"broker {self.cfg.url}: {exc}") from exc
-            return
 
     def status(self, state: str) -> bytes:
         """Our presence document: `state`, our session, our keep-alive (watchers' silence
@@ -251,14 +220,6 @@ class Connection:
             time.sleep(0.005)
         self.stats.frames_sent += 1
         self.stats.bytes_sent += len(data)
-
-    def beat(self) -> bool:
-        """One heartbeat, ``SESSION KEEPALIVE`` at QoS 0 (False: not connected, not sent)."""
-        client = self.client
-        if client is None or not self.connected.is_set():
-            return False
-        client.publish(topics.beat(self.me), f"{self.session} {self.cfg.keepalive}".encode(), qos=0)
-        return True
 
     def _stop_client(self) -> None:
         if self.client is not None:

@@ -21,8 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fedring.counters import Counters
+from fedring.transport import topics
 from fedring.transport.base import MembershipEvent
 from fedring.transport.mqtt_broker import BrokerConfig
+from fedring.transport.mqtt_connection import Connection
 from fedring.wire.jsondoc import parse_document
 
 log = logging.getLogger("fedring.transport.mqtt")
@@ -187,27 +189,32 @@ class Presence:
 
 
 class Heartbeat:
-    """Our own beats, every keepalive / BEATS_PER_KEEPALIVE s, sent by `send` (False: the
-    link is down, try at the next tick); on a watcher it also ticks `watch.check_silences`.
-    `stop` ends it for good: a closed link, or one that stepped back for another."""
+    """Our own beats (``SESSION KEEPALIVE`` at QoS 0, read by `Presence.beat`), every
+    keepalive / BEATS_PER_KEEPALIVE s while `conn` is connected; on a watcher it also
+    ticks `watch.check_silences`. `stop` ends it for good: a closed link, or one that
+    stepped back for another holder of its id."""
 
-    def __init__(self, keepalive: int, name: str, send: Callable[[], bool],
-                 watch: Presence | None) -> None:  # fmt: skip
-        self.keepalive, self.name, self._send, self._watch = keepalive, name, send, watch
+    def __init__(self, conn: Connection, watch: Presence | None) -> None:
+        self.conn, self._watch = conn, watch
         self.stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, daemon=True, name=self.name)
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name=f"beat-{self.conn.me}")  # fmt: skip
             self._thread.start()
 
     def _loop(self) -> None:
-        period = self.keepalive / BEATS_PER_KEEPALIVE
+        conn = self.conn
+        period = conn.cfg.keepalive / BEATS_PER_KEEPALIVE
+        beat = f"{conn.session} {conn.cfg.keepalive}".encode()
         due = 0.0
         while not self.stop.wait(WATCH_TICK_S if self._watch else period):
             now = time.monotonic()
-            if now >= due and self._send():
+            client = conn.client
+            if now >= due and client is not None and conn.connected.is_set():
+                client.publish(topics.beat(conn.me), beat, qos=0)
                 due = now + period
             if self._watch is not None:
                 self._watch.check_silences(now)
