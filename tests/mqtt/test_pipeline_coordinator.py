@@ -47,7 +47,8 @@ def stages(
     """Three rpi3 daemons, one torch thread each (three processes share two cores),
     reading npz files from the folder of `npz` (an agent reads none elsewhere)."""
     flags = ["--profile", "rpi3", "--threads", "1", "--data-dir", str(Path(npz[4:]).parent)]
-    f = Fleet(broker.url, tmp_path_factory.mktemp("logs"), extra={a: flags for a in AGENTS})
+    every = (*AGENTS, "a3")  # a3: the spare some tests start
+    f = Fleet(broker.url, tmp_path_factory.mktemp("logs"), extra={a: flags for a in every})
     for a in AGENTS:
         f.start(a)
     yield f
