@@ -193,6 +193,7 @@ class Coordinator(SegmentRunner):
         if len(hashes) > 1:
             self.counters.add("hash_mismatch")
         self._publish_manifest("done")
+        received, sent = self.link.stats.bytes_received, self.link.stats.bytes_sent  # before ONNX
         if self.ck.params_sha256 not in hashes:
             self.counters.add("checkpoint_not_final")
             log.error("checkpoint of round %d is not the agents' final model", self.ck.round)
@@ -204,8 +205,7 @@ class Coordinator(SegmentRunner):
             fleet=self.fleet, wall_s=wall, checkpoint=str(self.opts.out / "checkpoint.pt"),
             drift=summarise_drift(self.drifts, self.spec.resync_every if self.drifts else 0),
             checkpoint_round=self.ck.round, counters=self.counters.snapshot(),
-            bytes_received=self.link.stats.bytes_received,
-            bytes_sent=self.link.stats.bytes_sent,
+            bytes_received=received, bytes_sent=sent,
             centre_rounds=self.centre.served if self.centre is not None else 0,
             degraded=self.degrade.times,
             centre=(Centre(state.version, state.staleness)
