@@ -39,34 +39,26 @@ go to the same data queue as its inbox frames; our own echo is dropped.
 - `mqtt_presence`: who is online (statuses, wills, and a watcher's heartbeats), under
   its own lock, and our own heartbeat thread;
 - `mqtt_routing` and `mqtt_inbox`: where each message goes, the jobs a link hears,
-  and the bounded queues paho's thread fills;
+  and the bounded queues paho's thread fills; `mqtt_endpoint`: `MqttEndpoint`;
 - `mqtt_probe`: the link's round trip and bandwidth, and the broker's Nagle check.
 
-paho's network thread runs the connection's callbacks, which call into routing,
-presence and the session; presence is the only state shared with other threads (the
-heartbeat's, grace timers, callers of `peers`), and it takes its own lock.
+Threads: paho's network thread runs the connection's callbacks, which call into the
+session, routing and presence; each module says which threads touch its state. Presence
+takes its own lock (paho's thread, the heartbeat's, grace timers, callers of `peers`);
+the queues are thread-safe; the rest is written by one thread and read by others (the
+connection's events and ``closed`` flag, set once; the router's job sets).
 """
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
 from collections.abc import Collection
 
 import paho.mqtt.client as mqtt
 
 from fedring.counters import Counters
 from fedring.transport import topics
-from fedring.transport.base import (
-    BROADCAST,
-    Deadline,
-    Delivery,
-    LinkStats,
-    MembershipEvent,
-    PeerUnreachable,
-    TransportTimeout,
-)
+from fedring.transport.base import BROADCAST, Deadline, LinkStats
 from fedring.transport.mqtt_broker import (
     BrokerConfig,
     BrokerRefused,
@@ -76,7 +68,8 @@ from fedring.transport.mqtt_broker import (
     check_identity,
 )
 from fedring.transport.mqtt_connection import Connection, Hooks
-from fedring.transport.mqtt_inbox import Control, DataItem, Inbox, Inboxes
+from fedring.transport.mqtt_endpoint import MqttEndpoint
+from fedring.transport.mqtt_inbox import Control, Inboxes
 from fedring.transport.mqtt_presence import SILENT_AFTER, Heartbeat, Presence
 from fedring.transport.mqtt_probe import NAGLE_STALL_S, Probe
 from fedring.transport.mqtt_routing import Router
@@ -192,9 +185,8 @@ class MqttLink:
         A `private` one has its own queue and takes the frames of every sender in
         `job`, those of `control_from` included, until it is closed.
         """
-        endpoint = MqttEndpoint(self, job)
+        endpoint = MqttEndpoint(self, job, self._inboxes, private=private)
         if private:
-            endpoint.inbox = self._inboxes.open_private(endpoint.job)
             self._router.hear_broadcasts(endpoint.job)
         elif endpoint.job not in self._router.jobs:
             self.join(endpoint.job)
@@ -279,59 +271,3 @@ class MqttLink:
     def broker_nagle(self) -> bool | None:
         """`check_broker_nagle`'s finding (None: unchecked)."""
         return self._probe.broker_nagle
-
-
-class MqttEndpoint:
-    """The `Endpoint` of one job over a link: what `PeerChannel` sends and receives on."""
-
-    def __init__(self, link: MqttLink, job: str) -> None:
-        self.link = link
-        self.job = topics.check_id("job", job)
-        self.name = link.me
-        self.stats = LinkStats()  # this job's ring frames only; `link.stats` counts everything
-        self.inbox: Inbox[DataItem] = link._inboxes.data  # a private endpoint's own queue
-
-    def send(self, dst: str, data: bytes, deadline: Deadline) -> None:
-        soon = Deadline.after(min(2.0, deadline.remaining()))
-        while dst not in self.link.peers() and not soon.expired:
-            time.sleep(0.02)  # its retained status may not have reached us yet
-        if dst not in self.link.peers():
-            raise PeerUnreachable(f"{dst!r} is not online at broker {self.link.cfg.url}")
-        self.link.send_to(self.job, dst, data, deadline)
-        self.stats.frames_sent += 1
-        self.stats.bytes_sent += len(data)
-        self.stats.per_peer_sent[dst] = self.stats.per_peer_sent.get(dst, 0) + len(data)
-
-    def broadcast(self, data: bytes, deadline: Deadline) -> None:
-        """One publish that every member of the job receives (see `Broadcaster`)."""
-        self.link.broadcast_to(self.job, data, deadline)
-        self.stats.frames_sent += 1
-        self.stats.bytes_sent += len(data)
-        self.stats.per_peer_sent[BROADCAST] = self.stats.per_peer_sent.get(BROADCAST, 0) + len(data)
-
-    def recv(self, deadline: Deadline) -> Delivery | MembershipEvent:
-        while True:
-            try:
-                item = self.inbox.get(timeout=max(deadline.remaining(), 1e-4))
-            except queue.Empty:
-                raise TransportTimeout(
-                    f"{self.name!r} received nothing before the deadline"
-                ) from None
-            if isinstance(item, tuple):
-                job, delivery = item
-                if job != self.job:
-                    self.link.counters.add("frame_other_job")
-                    continue
-                self.stats.frames_received += 1
-                self.stats.bytes_received += len(delivery.data)
-                return delivery
-            return item
-
-    def peers(self) -> frozenset[str]:
-        return self.link.peers()
-
-    def close(self) -> None:
-        """The link outlives the job; closing a job's endpoint leaves it connected
-        (a private endpoint's frames are dropped from now on)."""
-        if self.inbox is not self.link._inboxes.data:
-            self.link._inboxes.close_private(self.job)
