@@ -103,7 +103,8 @@ def frame(endpoint: MqttEndpoint, deadline: Deadline) -> Delivery:
 def test_our_links_ack_at_once_so_a_nagle_broker_costs_them_no_stall(nagle_url: str) -> None:
     """The ring's pattern: each side publishes (the broker's PUBACK comes back) and
     then waits for the other's small frame, which a Nagle broker holds until the ACK
-    of that PUBACK: ~45 ms an exchange with delayed ACKs (`_quick_ack` removes it)."""
+    of that PUBACK: ~45 ms an exchange with delayed ACKs (`mqtt_connection.quick_ack`
+    removes it)."""
     cfg = BrokerConfig.parse(nagle_url, heartbeat=False)
     a = MqttLink(cfg, "pp-a", control_from=(), job="pp").connect()
     b = MqttLink(cfg, "pp-b", control_from=(), job="pp").connect()
