@@ -25,7 +25,7 @@ from fedring.engine.lr import LinearScaling
 from fedring.engine.optimizer import DistributedOptimizer, SyncSettings
 from fedring.engine.overlap import Yielder
 from fedring.engine.participation import per_round
-from fedring.engine.plan import Plan
+from fedring.engine.plan import Plan, prepare
 from fedring.engine.plan import plan as plan_task
 from fedring.engine.reducer import Reducer, ReducerSettings
 from fedring.engine.resync import ResyncSettings, resync_every
@@ -225,4 +225,12 @@ def member(
         TrainerState(model, opt, sampler), next_batch, task.loss,
         lambda m: task.evaluate(m, dataset), scaling(spec, inner), on_round, before_round,
         start_round,
+    )  # fmt: skip
+
+
+def prepare_model(spec: JobSpec, p: Plan, rank: int) -> tuple[Any, Any, Any]:
+    """What an agent does before training: verify its shard, take the initial model."""
+    return prepare(
+        p.task, p.dataset, p.manifest, p.shards[rank], rank, seed=spec.seed,
+        model_sha256=p.model_sha256, initial=p.initial if spec.init == "sent" else None,
     )  # fmt: skip

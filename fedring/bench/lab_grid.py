@@ -34,6 +34,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from fedring.bench.lab_grid_methods import METHODS
 from fedring.config import JobSpec
 from fedring.lab.lab import Lab, LabRunError
 from fedring.lab.netns import AGENT_IFACE, LabError
@@ -55,12 +56,6 @@ FEDRING: dict[str, dict[str, Any]] = {
     "auto": {**GROUP_TOPK, "collective": "auto"},
     "dense": {"compression": "none"},
 }
-PEERS = ("dense", "flower", "ddp", "powersgd2", "powersgd4")
-COMPRESSED = ("ring", "fanout", "hub", "auto")
-METHODS = (*COMPRESSED, *PEERS)
-LABELS = {"ring": "ring", "fanout": "fanout", "hub": "hub", "auto": "auto",
-          "dense": "dense ring", "flower": "Flower FedAvg", "ddp": "DDP gloo",
-          "powersgd2": "DDP+PowerSGD r2", "powersgd4": "DDP+PowerSGD r4"}  # fmt: skip
 
 
 class GridError(ValueError):

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fedring.bench.lab_grid import COMPRESSED, LABELS, PEERS
+from fedring.bench.lab_grid_methods import COMPRESSED, LABELS, PEERS
 
 CellKey = tuple[int, float, float, str]  # agents, Mbit/s, delay ms, model
 

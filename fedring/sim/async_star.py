@@ -50,10 +50,8 @@ def simulate_async(
     on_round: Callable[[int, dict[str, Any]], None] | None,
     on_done: Callable[[torch.nn.Module, Any], None] | None = None,
 ) -> dict[str, Any]:
-    from fedring.sim.runner import prepare_model
-
     start = time.perf_counter()
-    trainers = [_agent(spec, p, *prepare_model(spec, p, r), r) for r in range(spec.agents)]
+    trainers = [_agent(spec, p, *build.prepare_model(spec, p, r), r) for r in range(spec.agents)]
     hub, counters = InprocTransport(), Counters()
     centre = PeerChannel(hub.connect(CENTRE), "sim", key=LOCAL_KEY, counters=counters)
     agents = [

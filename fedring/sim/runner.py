@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fedring import build
-from fedring.build import plan
+from fedring.build import plan, prepare_model
 from fedring.choose import choose_collective, in_process_probes
 from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.collective.torus import layout_name
@@ -28,7 +28,7 @@ from fedring.counters import Counters
 from fedring.engine.centre import STAR, serve
 from fedring.engine.group import LOCAL_KEY, local_group
 from fedring.engine.loop import LoopResult, run
-from fedring.engine.plan import Plan, prepare
+from fedring.engine.plan import Plan
 from fedring.engine.resync import Drift
 from fedring.engine.resync import summarise as summarise_drift
 from fedring.firmware_profiles.schema import Profile
@@ -40,14 +40,6 @@ TIMES = ("compute_s", "comm_s", "step_s")  # a sync round's seconds, in every ro
 # A test's stand-in for another CPU architecture: called with (rank, round, model)
 # before each round, it may nudge that member's parameters (`engine.resync`).
 Perturb = Callable[[int, int, torch.nn.Module], None]
-
-
-def prepare_model(spec: JobSpec, p: Plan, rank: int) -> tuple[Any, Any, Any]:
-    """What an agent does before training: verify its shard, take the initial model."""
-    return prepare(
-        p.task, p.dataset, p.manifest, p.shards[rank], rank, seed=spec.seed,
-        model_sha256=p.model_sha256, initial=p.initial if spec.init == "sent" else None,
-    )  # fmt: skip
 
 
 def simulate(

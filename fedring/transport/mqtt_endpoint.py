@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from fedring.counters import Counters
 from fedring.transport import topics
 from fedring.transport.base import (
     BROADCAST,
@@ -22,16 +23,29 @@ from fedring.transport.base import (
     PeerUnreachable,
     TransportTimeout,
 )
+from fedring.transport.mqtt_broker import BrokerConfig
 from fedring.transport.mqtt_inbox import DataItem, Inbox, Inboxes
 
-if TYPE_CHECKING:
-    from fedring.transport.mqtt import MqttLink
+
+class Link(Protocol):
+    """What an endpoint needs of its `MqttLink` (a protocol: the link module imports
+    this one, so this one does not import it)."""
+
+    me: str
+    cfg: BrokerConfig
+    counters: Counters
+
+    def peers(self) -> frozenset[str]: ...
+
+    def send_to(self, job: str, dst: str, data: bytes, deadline: Deadline) -> None: ...
+
+    def broadcast_to(self, job: str, data: bytes, deadline: Deadline) -> None: ...
 
 
 class MqttEndpoint:
     """The `Endpoint` of one job over a link: what `PeerChannel` sends and receives on."""
 
-    def __init__(self, link: MqttLink, job: str, inboxes: Inboxes, *, private: bool = False
+    def __init__(self, link: Link, job: str, inboxes: Inboxes, *, private: bool = False
                  ) -> None:  # fmt: skip
         self.link = link
         self.job = topics.check_id("job", job)
