@@ -36,14 +36,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 
 from fedring.collective.channel import PeerChannel
 from fedring.collective.fanout import COLLECTIVES
@@ -51,7 +46,8 @@ from fedring.counters import Counters
 from fedring.engine.group import Group
 from fedring.transport import topics
 from fedring.transport.base import Deadline
-from fedring.transport.mqtt import BrokerConfig, BrokerRefused, BrokerUnreachable, MqttLink
+from fedring.transport.mqtt import BrokerConfig, MqttLink
+from fedring.transport.mqtt_peek import peek_retained
 from fedring.wire.errors import FrameError
 from fedring.wire.jsondoc import parse_document
 
@@ -237,51 +233,8 @@ def online_status(cfg: BrokerConfig, agent: str) -> dict[str, Any] | None:
         # over the holder's session, and the broker keeps one session per user anyway.
         return None
     topic = topics.status(agent)
-    seen: list[bytes] = []
-    refused: list[str] = []
-    done = threading.Event()
-
-    def on_connect(client: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
-        if rc.is_failure:
-            refused.append(str(rc))
-            done.set()
-        else:  # QoS 0: the retained message is not held back behind in-flight limits
-            client.subscribe(topic, qos=0)
-
-    def on_subscribe(client: mqtt.Client, *_: Any) -> None:
-        client.unsubscribe(topic)  # the broker answers after sending what it retained
-
-    def on_message(_c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
-        if msg.retain:
-            seen.append(bytes(msg.payload))
-
-    client = mqtt.Client(
-        CallbackAPIVersion.VERSION2, client_id=f"fedring-{agent}-peek-{os.urandom(4).hex()}",
-        protocol=mqtt.MQTTv311, clean_session=True,
-    )  # fmt: skip
-    if cfg.username is not None:
-        client.username_pw_set(cfg.username, cfg.password)
-    if cfg.tls:
-        client.tls_set(ca_certs=cfg.ca, certfile=cfg.cert, keyfile=cfg.key)
-    client.on_connect, client.on_subscribe, client.on_message = on_connect, on_subscribe, on_message
-    client.on_unsubscribe = lambda *_: done.set()
-    client.connect_timeout = cfg.connect_timeout_s
-    try:
-        client.connect(cfg.host, cfg.port, keepalive=max(cfg.keepalive, 5))
-    except (OSError, ValueError) as exc:
-        raise BrokerUnreachable(f"broker {cfg.url}: {exc}") from exc
-    client.loop_start()
-    try:
-        if not done.wait(cfg.connect_timeout_s):
-            raise BrokerUnreachable(
-                f"no answer from broker {cfg.url} within {cfg.connect_timeout_s:g} s"
-            )
-    finally:
-        client.disconnect()
-        client.loop_stop()
-    if refused:
-        who = f" as user {cfg.username!r}" if cfg.username else " anonymously"
-        raise BrokerRefused(f"broker {cfg.url} refused {agent!r}{who}: {refused[0]}")
+    who = f"{agent!r}" + (f" as user {cfg.username!r}" if cfg.username else " anonymously")
+    seen = list(peek_retained(cfg, [topic], who=who).values())
     for payload in seen:
         try:
             doc = parse_document(payload, what="status")

@@ -32,18 +32,13 @@ import errno
 import fcntl
 import logging
 import os
-import ssl
-import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
-
 from fedring.transport import topics
-from fedring.transport.mqtt import BrokerConfig, BrokerRefused, BrokerTlsError, BrokerUnreachable
+from fedring.transport.mqtt import BrokerConfig, BrokerRefused, BrokerTlsError
+from fedring.transport.mqtt_peek import peek_retained
 from fedring.wire.errors import FrameError
 from fedring.wire.jsondoc import parse_document
 
@@ -109,7 +104,7 @@ def check_broker(cfg: BrokerConfig) -> None:
     (one with users, as deployed) leaves the link's own check (see above)."""
     look = dataclasses.replace(cfg, username=None, password=None)
     try:
-        retained = _peek(look, [topics.status(topics.COORDINATOR), topics.manifest("+")])
+        retained = peek_retained(look, [topics.status(topics.COORDINATOR), topics.manifest("+")])
     except BrokerRefused as exc:
         if isinstance(exc, BrokerTlsError):
             raise
@@ -127,7 +122,7 @@ def check_broker(cfg: BrokerConfig) -> None:
     if retained:
         log.info("clearing %d retained manifest(s) of crashed coordinators: %s",
                  len(retained), sorted(retained))  # fmt: skip
-        _peek(cfg, [], clear=sorted(retained))
+        peek_retained(look, [], clear=sorted(retained))  # anonymous too
 
 
 def _online(payload: bytes) -> dict[str, Any] | None:
@@ -140,55 +135,3 @@ def _online(payload: bytes) -> dict[str, Any] | None:
         log.warning("the coordinator's retained status is unreadable: %s", exc)
         return None
     return doc if doc.get("state") == "online" else None
-
-
-def _peek(cfg: BrokerConfig, filters: list[str], clear: Sequence[str] = ()) -> dict[str, bytes]:
-    """The messages retained on `filters` (topic -> payload), read under a throwaway
-    client id that leaves no session; then empty the retained `clear` topics."""
-    seen: dict[str, bytes] = {}
-    refused: list[str] = []
-    done = threading.Event()
-
-    def on_connect(client: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
-        if rc.is_failure:
-            refused.append(str(rc))
-            done.set()
-        elif filters:  # QoS 0: what is retained is not held back behind in-flight limits
-            client.subscribe([(f, 0) for f in filters])
-        else:
-            done.set()
-
-    def on_message(_c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
-        if msg.retain and msg.payload:
-            seen[msg.topic] = bytes(msg.payload)
-
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311, clean_session=True,
-                         client_id=f"fedring-coordinator-peek-{os.urandom(4).hex()}")  # fmt: skip
-    client.on_connect, client.on_message = on_connect, on_message
-    # The broker answers a subscription after sending what it retained, and the
-    # unsubscription after that: once it is answered, everything retained is in.
-    client.on_subscribe = lambda c, *_: c.unsubscribe(filters)
-    client.on_unsubscribe = lambda *_: done.set()
-    client.connect_timeout = cfg.connect_timeout_s
-    try:
-        if cfg.tls:
-            client.tls_set(ca_certs=cfg.ca, certfile=cfg.cert, keyfile=cfg.key)
-        client.connect(cfg.host, cfg.port, keepalive=max(cfg.keepalive, 5))
-    except ssl.SSLError as exc:  # the link names the file at fault: let it say so
-        raise BrokerTlsError(f"TLS with broker {cfg.url} failed: {exc}") from None
-    except (OSError, ValueError) as exc:
-        raise BrokerUnreachable(f"broker {cfg.url}: {exc}") from exc
-    client.loop_start()
-    try:
-        if not done.wait(cfg.connect_timeout_s):
-            raise BrokerUnreachable(
-                f"no answer from broker {cfg.url} within {cfg.connect_timeout_s:g} s"
-            )
-        for topic in clear:
-            client.publish(topic, b"", qos=1, retain=True).wait_for_publish(cfg.connect_timeout_s)
-    finally:
-        client.disconnect()
-        client.loop_stop()
-    if refused:
-        raise BrokerRefused(f"broker {cfg.url} refused the look: {refused[0]}")
-    return seen
