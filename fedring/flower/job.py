@@ -63,6 +63,10 @@ class FlowerJob:
         if spec.collective != "ring":
             raise SpecError(f"field 'collective'={spec.collective!r}: the Flower relay has no "
                             "broadcast; over Flower use ring")  # fmt: skip
+        for name in ("bucket_kb", "update_delay"):  # the relay applies whole rounds
+            if getattr(spec, name):
+                raise SpecError(f"field {name!r}={getattr(spec, name)!r}: the Flower relay "
+                                "exchanges one whole gradient a round; set it to 0 over Flower")
         kind = Aggregation.parse(spec.aggregation).kind
         if spec.topology == "ring" and kind not in ("mean", "weighted"):
             raise SpecError(

@@ -74,3 +74,15 @@ def test_adamw_on_the_simulation_engine_equals_the_in_process_library(
     s = flower_simulate(FlowerJob(spec), tmp_path, timeout_s=240, cpus=2)
     assert s["status"] == "completed" and s["layout"] == "flower-ring"
     assert [s["model_sha256_final"]] == simulate(spec)["model_hashes"]
+
+
+@pytest.mark.parametrize("field", ["bucket_kb", "update_delay"])
+def test_fields_the_relayed_ring_cannot_carry_are_refused_by_name(field: str) -> None:
+    """The relay exchanges one whole gradient a round: bucket overlap and the delayed
+    update would be ignored silently, so a job asking for them is refused."""
+    from fedring.config import SpecError
+
+    spec = JobSpec(agents=2, dataset="digits", topology="ring", **{field: 1 if field ==
+                   "update_delay" else 64})  # fmt: skip
+    with pytest.raises(SpecError, match=rf"field '{field}'"):
+        FlowerJob(spec)
