@@ -3,6 +3,7 @@ hour raises an error that names the fix, at construction where it can."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -151,9 +152,27 @@ def test_a_member_on_another_step_is_named_with_both_steps() -> None:
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
 
-    with pytest.raises(fedring.StepMismatch) as caught:
-        on_threads(2, agent, timeout_s=5.0)  # the start, too, must fit on a loaded machine
-    err = caught.value
+    # Both members wait on each other, for different rounds: the one whose deadline
+    # comes first names the mismatch and leaves, and the other may then see it leave
+    # (PeerLost) before its own deadline. One of them must name both steps.
+    groups = fedring.local_group(2, timeout_s=5.0)  # the start, too, on a loaded machine
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            agent(rank, groups[rank])
+        except Exception as exc:
+            errors.append(exc)
+            groups[rank].channel.endpoint.close()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    mismatches = [e for e in errors if isinstance(e, fedring.StepMismatch)]
+    assert len(errors) == 2 and mismatches, errors
+    err = mismatches[0]
     assert isinstance(err, CollectiveTimeout)  # callers that catch timeouts still do
     assert (err.member, err.step, err.peers) in [("agent-0", 0, {"agent-1": 3}),
                                                  ("agent-1", 3, {"agent-0": 0})]  # fmt: skip
