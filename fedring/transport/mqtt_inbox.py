@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
@@ -86,14 +87,21 @@ class Inboxes:
         self.control: Inbox[Control] = Inbox(*self._bounds)
         self.data: Inbox[DataItem] = Inbox(*self._bounds)
         self.private: dict[str, Inbox[DataItem]] = {}  # job -> a private endpoint's queue
+        self._private_lock = threading.Lock()
 
     def open_private(self, job: str) -> Inbox[DataItem]:
-        inbox: Inbox[DataItem] = Inbox(*self._bounds)
-        self.private = {**self.private, job: inbox}
-        return inbox
+        """`job`'s private queue, made now or earlier (paho's thread may make it first,
+        for a star frame that came before its endpoint: `Router`)."""
+        with self._private_lock:  # two threads may open one job's queue at once
+            inbox = self.private.get(job)
+            if inbox is None:
+                inbox = Inbox(*self._bounds)
+                self.private = {**self.private, job: inbox}
+            return inbox
 
     def close_private(self, job: str) -> None:
-        self.private = {j: q for j, q in self.private.items() if j != job}
+        with self._private_lock:
+            self.private = {j: q for j, q in self.private.items() if j != job}
 
     def offer(self, inbox: Inbox[_Item], item: _Item, what: str) -> None:
         if not inbox.offer(item):

@@ -95,6 +95,8 @@ class Router:
         (counted as ``inbox_other_job``), and the broker stops sending its broadcasts."""
         self.jobs.discard(job)
         self.joined_at.pop(job, None)
+        if topics.is_star(job):
+            self.inboxes.close_private(job)
         if job in self.broadcasts:
             self.broadcasts.discard(job)
             if self.conn.client is not None:
@@ -133,6 +135,11 @@ class Router:
         self.stats.bytes_received += len(payload)
         inboxes = self.inboxes
         private = inboxes.private.get(job)
+        if private is None and src == topics.COORDINATOR and topics.is_star(job):
+            # A star's exchange, before this agent has opened its endpoint (it still
+            # loads its shard while faster members' round 0 is already answered): held
+            # for that endpoint, never handed to the control loop as a control frame.
+            private = inboxes.open_private(job)
         if private is not None:
             inboxes.offer(private, (job, Delivery(src, payload)), topic)
         elif src in self._control_from or "*" in self._control_from:

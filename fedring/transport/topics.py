@@ -100,6 +100,15 @@ def star(job: str) -> str:
     return check_id("job", f"{job}.star")
 
 
+def is_star(job: str) -> bool:
+    """Whether a topic-level job is a star's exchanges (`star`), not a job's own.
+
+    >>> is_star(star("digits-1a2b")), is_star("digits-1a2b")
+    (True, False)
+    """
+    return job.endswith(".star")
+
+
 def my_inboxes(me: str) -> str:
     """Subscription for every job's inbox of `me`, from any sender."""
     return f"{ROOT}/jobs/+/to/{me}/+"

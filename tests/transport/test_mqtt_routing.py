@@ -132,3 +132,17 @@ def test_a_watcher_subscribes_to_beats_and_the_coordinator_to_hellos() -> None:
     assert f"{topics.ROOT}/agents/+/beat" in client.subs
     assert f"{topics.ROOT}/agents/+/hello" in client.subs
     assert not any("/all/" in t for t in client.subs)
+
+
+def test_a_star_frame_before_its_endpoint_waits_for_the_endpoint() -> None:
+    """A sampled star answers the first members' round 0 while a slower one still loads
+    its shard: the coordinator's reply reached that agent's control loop (refused there
+    as "bad_version", a compact frame) and the agent waited out its timeout."""
+    side = Side(job=None)
+    star = topics.star("j")
+    side.router.route(topics.inbox(star, "a1", COORD), b"round 0's result")
+    assert side.control() == []
+    endpoint_queue = side.inboxes.open_private(star)  # what `endpoint(star, private=True)` does
+    assert endpoint_queue.get_nowait() == (star, Delivery(COORD, b"round 0's result"))
+    side.router.leave(star)  # the job is over: its star's queue goes with it
+    assert star not in side.inboxes.private
