@@ -10,10 +10,10 @@ deadline; every refusal is counted and logged (`refused`).
 from __future__ import annotations
 
 import logging
-import queue
 from typing import Any
 
 from fedring.coordinator.membership import number
+from fedring.coordinator.port import next_control
 from fedring.coordinator.service import CoordinatorError
 from fedring.counters import Counters
 from fedring.pipeline.partition import Board
@@ -102,11 +102,8 @@ class StageFleet:
 
     def next(self, timeout: float) -> Control | None:
         """The next control item (hellos are taken in on the way), or None."""
-        if self.link.taken_over:  # another coordinator holds the id (`coordinator.lease`)
-            raise CoordinatorError(f"one broker runs one coordinator: {self.link.taken_over}")
-        try:
-            item = self.link.control.get(timeout=timeout)
-        except queue.Empty:
+        item = next_control(self.link, timeout)
+        if item is None:
             return None
         if item.kind == "hello":
             codec = ControlCodec(topics.COORDINATOR, counters=self.counters)

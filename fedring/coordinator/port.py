@@ -37,6 +37,18 @@ class CoordinatorError(RuntimeError):
     """The job could not run: too few agents, every agent lost, no progress."""
 
 
+def next_control(link: MqttLink, timeout: float) -> Control | None:
+    """The next item of a coordinator's control queue, or None after `timeout`; raises
+    `CoordinatorError` once the link stepped back for another holder of the id
+    (`coordinator.lease`): fighting it helps nobody."""
+    if link.taken_over:
+        raise CoordinatorError(f"one broker runs one coordinator: {link.taken_over}")
+    try:
+        return link.control.get(timeout=timeout)
+    except queue.Empty:
+        return None
+
+
 class ControlPort:
     """The coordinator's link and codec, and what it knows of the agents from them."""
 
@@ -111,11 +123,8 @@ class ControlPort:
 
     def _next(self, timeout: float) -> Control | None:
         assert self.link is not None
-        if self.link.taken_over:  # another coordinator holds the id: fighting it helps nobody
-            raise CoordinatorError(f"one broker runs one coordinator: {self.link.taken_over}")
-        try:
-            item = self.link.control.get(timeout=timeout)
-        except queue.Empty:
+        item = next_control(self.link, timeout)
+        if item is None:
             return None
         if item.kind == "hello":
             self._on_hello(item)
