@@ -31,7 +31,7 @@ def train_agent(group: fedring.Group, plan: fedring.Plan, rank: int, rounds: int
         model_sha256=plan.model_sha256, initial=plan.initial,
     )  # fmt: skip
     inner = torch.optim.SGD(model.parameters(), lr=LR)  # plain EF-SGD: no momentum
-    settings = fedring.ReducerSettings(density=0.01, density_warmup=10)
+    settings = fedring.ReducerSettings(density="auto", rounds=rounds)  # as `fedring simulate`
     reducer = fedring.Reducer(group.collective, sum(p.numel() for p in model.parameters()),
                               settings)  # fmt: skip
     opt = fedring.DistributedOptimizer(inner, reducer, model=model, weight=plan.weights[rank])

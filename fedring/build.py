@@ -17,6 +17,8 @@ from torch import nn
 
 from fedring.aggregation.rules import Aggregation
 from fedring.config import JobSpec, SpecError
+from fedring.counters import Counters
+from fedring.engine.attack import Attack, AttackingReducer
 from fedring.engine.centre import AsyncSettings, CentreSettings
 from fedring.engine.gate import Gate, Resolved
 from fedring.engine.group import Collective, Group
@@ -80,6 +82,8 @@ def reducer_settings(spec: JobSpec) -> ReducerSettings:
         momentum_correction=spec.momentum if spec.compressed_sync and spec.momentum_correction
         else 0.0,
         density_warmup=spec.density_warmup,
+        density_flush=spec.density_flush,
+        rounds=spec.rounds,
         policy=spec.policy,  # type: ignore[arg-type]
         sign_feedback=Aggregation.parse(spec.aggregation).kind == "vote",
         timeout_s=spec.timeout_s,
@@ -205,14 +209,25 @@ def member(
     yielder: Yielder | None = None, start_round: int = 0,
     on_round: Callable[[int, dict[str, Any]], None] | None = None,
     before_round: Callable[[int], None] | None = None,
+    attack: Attack | None = None, counters: Counters | None = None,
 ) -> Member:  # fmt: skip
-    """One agent's `Member` for the job (see the module docstring)."""
+    """One agent's `Member` for the job (see the module docstring).
+
+    `attack` (a test harness, `engine.attack`; None for every honest member): this
+    member poisons what it sends, or trains on flipped labels; `counters` counts
+    its poisoned updates."""
     centre = collective.centre if isinstance(collective, Group) else None
     if isinstance(collective, Group):
         collective = collective.collective
     inner = optimizer(spec, task, model)
     numel = sum(p.numel() for p in model.parameters())
-    reducer = Reducer(collective, numel, reducer_settings(spec), centre=centre)
+    if attack is None:
+        reducer = Reducer(collective, numel, reducer_settings(spec), centre=centre)
+    else:
+        y = attack.labels(y, dataset.num_classes)
+        reducer = AttackingReducer(collective, numel, reducer_settings(spec), centre=centre,
+                                   attack=attack, seed=spec.seed * 1_000 + rank,
+                                   counters=counters)  # fmt: skip
     opt = DistributedOptimizer(inner, reducer, sync_settings(spec), model=model, weight=weight,
                                yielder=yielder, initial="trust")  # start hash-checked: prepare
     sampler = ShardSampler(len(x), batch_size=spec.batch_size, seed=spec.seed, rank=rank)

@@ -40,7 +40,15 @@ def simulate_cmd(
     ),
     sharding: str | None = typer.Option(None, help="iid | dirichlet:ALPHA | quantity:BETA. [iid]"),
     compression: str | None = typer.Option(None, help="none | group-topk. [group-topk]"),
-    density: float | None = typer.Option(None, help="Fraction kept per group. [0.01]"),
+    density: str | None = typer.Option(
+        None,
+        help="Fraction kept per group, or auto: chosen with its warm-up and a closing flush "
+        "from --rounds, --sync and --sample for at least --saving x fewer bytes than dense "
+        "(the choice and its reason are in the summary's density_auto). [auto]",
+    ),
+    saving: float | None = typer.Option(
+        None, help="density auto: at least this many times fewer bytes than dense. [10]"
+    ),
     group_size: int | None = typer.Option(None, help="G, entries per group. [256]"),
     value_dtype: str | None = typer.Option(None, help="fp32 | fp16 | bf16 | int8. [fp16]"),
     error_feedback: bool | None = typer.Option(
@@ -149,6 +157,12 @@ def simulate_cmd(
     given = {k: v for k, v in locals().items() if v is not None}  # before any other local
     cli_only = ("config", "out", "as_json", "fleet", "with_dense")
     flags = {k: v for k, v in given.items() if k not in cli_only}
+    if flags.get("density", "auto") != "auto":
+        try:
+            flags["density"] = float(flags["density"])
+        except ValueError:
+            typer.echo(f"error: --density {flags['density']!r} must be a number or auto", err=True)
+            raise typer.Exit(2) from None
     from fedring.config import JobSpec
     from fedring.report import write_report_for
     from fedring.sim import fleet as fleet_clock

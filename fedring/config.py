@@ -48,11 +48,17 @@ class JobSpec:
     task: str = ""
     sharding: str = "iid"  # iid | dirichlet:ALPHA | quantity:BETA
     compression: str = "group-topk"  # none | group-topk
-    density: float = 0.01  # kept fraction per group (k = round(density * group_size))
+    # Kept fraction per group (k = round(density * group_size)), or "auto": chosen with
+    # its warm-up and a closing flush from the rounds, the mode and the sample
+    # (`compression.policy`; the choice and its reason land in `density_auto`).
+    density: float | str = "auto"
     group_size: int = 256  # G; <= 256 gives uint8 indices
     value_dtype: str = "fp16"  # wire dtype of kept values
     error_feedback: bool = True  # off only to measure its effect
     density_warmup: int = 10  # rounds per DGC warm-up stage (25%, 6.25%, 1.56%, 0.4%); 0 = off
+    density_flush: int = 0  # the last this many rounds send every entry (k = G); 0 = off
+    saving: float = 10.0  # density "auto": at least this many times fewer bytes than dense
+    density_auto: str = ""  # set by density "auto": what it chose and why
     policy: str = "bounded"  # sparse ring policy: bounded | exact
     topology: str = "auto"  # auto | ring | torus (2-D ring) | star (a centre: median, trimmed)
     # How a round's sum travels: ring (2(N-1) steps, or the topology's torus) | fanout
@@ -135,6 +141,9 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         _check_int(self, "agents", 1, 1024)
+        _check_float(self, "saving", 1.0, 1e6)
+        if self.density == "auto":
+            _choose_density(self)
         try:  # the one codec check, shared with ReducerSettings, the Flower mod, the DDP hook
             check_codec(compression=self.compression, density=self.density,
                         group_size=self.group_size, value_dtype=self.value_dtype,
@@ -162,6 +171,7 @@ class JobSpec:
             _check_int(self, name, 1, 10**9)
         _check_int(self, "warmup_steps", 0, 10**9)
         _check_int(self, "density_warmup", 0, 10**9)
+        _check_int(self, "density_flush", 0, self.rounds)
         _check_float(self, "lr", 0.0, 100.0)
         _check_float(self, "momentum", 0.0, 0.999)
         _check_float(self, "weight_cap", 1.0, 1e9)
@@ -233,6 +243,13 @@ class JobSpec:
     def k(self) -> int:
         return min(self.group_size, max(1, round(self.density * self.group_size)))
 
+    def codec_choice(self) -> dict[str, Any]:
+        """The summary's ``codec``: the density in force, its warm-up and flush, and
+        what ``density = "auto"`` chose and why (empty for a density given)."""
+        return {"compression": self.compression, "density": self.density,
+                "density_warmup": self.density_warmup, "density_flush": self.density_flush,
+                "density_auto": self.density_auto}  # fmt: skip
+
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> JobSpec:
         """Build from a mapping (a TOML table or flags); refuse unknown keys and bad types."""
@@ -243,6 +260,8 @@ class JobSpec:
         typed: dict[str, Any] = {}
         for name, value in values.items():
             want = type(getattr(cls(), name))
+            if name == "density" and value == "auto":
+                want = str
             if want is float and type(value) is int:
                 value = float(value)
             if type(value) is not want:
@@ -276,6 +295,28 @@ class JobSpec:
 
     def resolved(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _choose_density(spec: JobSpec) -> None:
+    """Resolve ``density = "auto"`` (`compression.policy`): density, warm-up, flush."""
+    from fedring.compression.policy import FLOOR, choose_density
+    from fedring.engine.participation import per_round
+
+    if spec.compression == "none":
+        object.__setattr__(spec, "density", FLOOR)
+        object.__setattr__(spec, "density_auto", "dense: no density to choose")
+        return
+    _check_int(spec, "rounds", 1, 10**9)
+    _check_int(spec, "agents", 1, 1024)
+    sample = spec.sample  # checked later with the rest; a bad one counts as 1 here
+    valid = isinstance(sample, int | float) and not isinstance(sample, bool) and sample > 0
+    plan = choose_density(
+        rounds=spec.rounds, local=spec.sync != "sync", saving=spec.saving,
+        participation=per_round(spec.agents, sample) / spec.agents if valid else 1.0,
+    )  # fmt: skip
+    for name, value in (("density", plan.density), ("density_warmup", plan.warmup),
+                        ("density_flush", plan.flush), ("density_auto", plan.reason)):  # fmt: skip
+        object.__setattr__(spec, name, value)
 
 
 def _check_int(spec: JobSpec, name: str, low: int, high: int) -> None:

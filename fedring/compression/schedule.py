@@ -7,6 +7,12 @@ gradients are not squeezed through a 1% keyhole.
     >>> s = DensitySchedule(target=0.01, stages=(0.25, 0.0625), steps_per_stage=10)
     >>> [s.density(step) for step in (0, 9, 10, 20, 1000)]
     [0.25, 0.25, 0.0625, 0.01, 0.01]
+
+A closing flush (`flush` rounds of `rounds`) sends every entry at the end, so what
+error feedback holds reaches the model (`compression.policy`):
+
+    >>> DensitySchedule(target=0.075, steps_per_stage=0, rounds=40, flush=1).density(39)
+    1.0
 """
 
 from __future__ import annotations
@@ -23,18 +29,24 @@ class DensitySchedule:
     target: float
     stages: tuple[float, ...] = DGC_STAGES
     steps_per_stage: int = 0  # 0 turns the warm-up off
+    rounds: int = 0  # the job's rounds, for the closing flush
+    flush: int = 0  # the last `flush` of `rounds` send every entry (density 1)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target <= 1.0:
             raise ValueError(f"target density {self.target} must be in (0, 1]")
         if self.steps_per_stage < 0:
             raise ValueError(f"steps_per_stage={self.steps_per_stage} must be >= 0")
+        if self.flush < 0 or (self.flush and self.rounds < 1):
+            raise ValueError(f"flush={self.flush} needs rounds >= 1 (rounds={self.rounds})")
         for d in self.stages:
             if not 0.0 < d <= 1.0:
                 raise ValueError(f"warm-up density {d} must be in (0, 1]")
 
     def density(self, step: int) -> float:
         """The density at `step` (0-based); stages below the target are skipped."""
+        if self.flush and step >= self.rounds - self.flush:
+            return 1.0
         if self.steps_per_stage:
             stage = step // self.steps_per_stage
             active = [d for d in self.stages if d > self.target]

@@ -214,6 +214,7 @@ class Coordinator(SegmentRunner):
             layout=describe_layout(self.asynchronous, self.spec.topology, collective, n),
             collective=self.collectives.summary(self.spec, self.rows, self.fleet),
         )  # fmt: skip
+        summary["codec"] = self.spec.codec_choice()
         rows = [self.rows[r] for r in sorted(self.rows)]
         outputs.write(self.opts.out, self.spec.replace(agents=len(ep.members)), summary, rows)
         return summary

@@ -40,6 +40,7 @@ from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK, k_for
 from fedring.compression.payload import Payload
 from fedring.compression.quantize import DenseCodec, SignQuantizer
+from fedring.compression.policy import choose_density
 from fedring.compression.schedule import DensitySchedule
 from fedring.compression.settings import DEFAULT_VALUE_DTYPE, SettingsError, check_codec
 from fedring.engine.group import Collective
@@ -61,8 +62,10 @@ class ReducerSettings:
     ----------
     compression : {"group-topk", "none"}
         Group-top-k with error feedback, or the plain fp32 ring.
-    density : float
-        Fraction kept in every group of `group_size`, in (0, 1]; tune it first.
+    density : float or "auto"
+        Fraction kept in every group of `group_size`, in (0, 1]; or "auto", chosen
+        with its warm-up and closing flush from `rounds`, `local` and
+        `participation` (`compression.policy`; ``density_auto`` says what and why).
     group_size : int
         G; up to 256 gives one-byte indices.
     value_dtype : {"fp16", "fp32", "bf16", "int8"}
@@ -74,17 +77,27 @@ class ReducerSettings:
     """
 
     compression: Literal["none", "group-topk"] = "group-topk"
-    density: float = 0.01  # kept fraction per group
+    density: float | Literal["auto"] = 0.01  # kept fraction per group, or "auto"
     group_size: int = 256  # G; <= 256 gives uint8 indices
     value_dtype: Literal["fp32", "fp16", "bf16", "int8"] = DEFAULT_VALUE_DTYPE  # type: ignore[assignment]
     error_feedback: bool = True  # off only to measure its effect
     momentum_correction: float = 0.0  # DGC: momentum inside error feedback (0 = off)
     density_warmup: int = 0  # rounds per DGC warm-up stage; 0 = off
+    density_flush: int = 0  # the last this many of `rounds` send every entry; 0 = off
+    rounds: int = 0  # the job's rounds (agreements): for "auto" and the closing flush
+    local: bool = False  # "auto": members agree on parameter deltas (local mode)
+    participation: float = 1.0  # "auto": the fraction of members trained a round
+    density_auto: str = ""  # set by density="auto": what it chose and why
     policy: Literal["bounded", "exact"] = "bounded"  # sparse ring policy
     sign_feedback: bool = False  # error feedback for the sign vote (signSGD with EF)
     timeout_s: float | None = None  # star exchange; None: the group's timeout_s
 
     def __post_init__(self) -> None:
+        if self.density == "auto":
+            if self.compression == "group-topk":
+                self._choose()
+            else:  # dense: nothing to choose
+                object.__setattr__(self, "density", 0.01)
         check_codec(compression=self.compression, density=self.density,
                     group_size=self.group_size, value_dtype=self.value_dtype,
                     policy=self.policy)  # fmt: skip
@@ -94,6 +107,19 @@ class ReducerSettings:
             raise SettingsError("density_warmup", self.density_warmup, "an integer >= 0")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise SettingsError("timeout_s", self.timeout_s, "a number > 0, or None")
+        if type(self.density_flush) is not int or not 0 <= self.density_flush <= self.rounds:
+            raise SettingsError("density_flush", self.density_flush,
+                                f"an integer in [0, rounds={self.rounds}]")  # fmt: skip
+
+    def _choose(self) -> None:
+        """Resolve ``density="auto"`` from `rounds`, `local` and `participation`."""
+        if type(self.rounds) is not int or self.rounds < 1:
+            raise SettingsError("rounds", self.rounds, 'an integer >= 1 with density="auto"')
+        plan = choose_density(rounds=self.rounds, local=self.local,
+                              participation=self.participation)  # fmt: skip
+        for name, value in (("density", plan.density), ("density_warmup", plan.warmup),
+                            ("density_flush", plan.flush), ("density_auto", plan.reason)):  # fmt: skip
+            object.__setattr__(self, name, value)
 
     @property
     def k(self) -> int:
@@ -153,8 +179,11 @@ class Reducer:
             self.topk = GroupTopK(s.group_size, s.k, s.value_dtype)
         if s.error_feedback and (s.compressed or s.sign_feedback):
             self.ef = ErrorFeedback(self.numel, momentum=s.momentum_correction)
-        if s.compressed and s.density_warmup:
-            self.schedule = DensitySchedule(s.density, steps_per_stage=s.density_warmup)
+        if s.compressed and (s.density_warmup or s.density_flush):
+            self.schedule = DensitySchedule(
+                float(s.density), steps_per_stage=s.density_warmup, rounds=s.rounds,
+                flush=s.density_flush,
+            )  # fmt: skip
 
     @property
     def channel(self) -> PeerChannel:

@@ -170,6 +170,7 @@ def summarise(
         "manifest": p.manifest.to_dict(),
         "model_sha256_initial": p.model_sha256,
         "drift": summarise_drift(drifts, spec.resync_every if drifts else 0),
+        "codec": spec.codec_choice(),
     }
 
 
