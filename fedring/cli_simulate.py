@@ -152,10 +152,18 @@ def simulate_cmd(
         False, "--with-dense", help="Also run the dense fp32 ring; report and plot it beside."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
+    attack: str | None = typer.Option(
+        None,
+        "--attack",
+        help="Test harness for robust aggregation, never on by default: the last --attackers "
+        "agents attack with sign-flip | scale[:FACTOR] (-10) | noise[:SIGMA] (x the update's "
+        "RMS, 10) | label-flip (summary: attack).",
+    ),
+    attackers: int = typer.Option(1, "--attackers", min=1, help="With --attack: how many. [1]"),
 ) -> None:
     """Train N agents in one process over the in-process transport (real frames)."""
     given = {k: v for k, v in locals().items() if v is not None}  # before any other local
-    cli_only = ("config", "out", "as_json", "fleet", "with_dense")
+    cli_only = ("config", "out", "as_json", "fleet", "with_dense", "attack", "attackers")
     flags = {k: v for k, v in given.items() if k not in cli_only}
     if flags.get("density", "auto") != "auto":
         try:
@@ -164,6 +172,7 @@ def simulate_cmd(
             typer.echo(f"error: --density {flags['density']!r} must be a number or auto", err=True)
             raise typer.Exit(2) from None
     from fedring.config import JobSpec
+    from fedring.engine.attack import Attack
     from fedring.report import write_report_for
     from fedring.sim import fleet as fleet_clock
     from fedring.sim.report import BASELINE_KEYS, dense_twin, write_outputs
@@ -174,6 +183,7 @@ def simulate_cmd(
         if members is not None:
             flags.setdefault("agents", len(members))
         spec = JobSpec.from_toml(config, flags) if config else JobSpec.from_mapping(flags)
+        harness = Attack.parse(attack) if attack is not None else None
         piped = spec.pipeline_stages > 1  # stages are fitted to the boards' budgets instead
         if members is not None and not piped:
             fleet_clock.check_fleet(spec, members)  # before training: size and memory
@@ -197,7 +207,8 @@ def simulate_cmd(
         onnx: dict[str, Any] = {}
         done = cli_export.export_after_run(out, spec.seed, onnx) if out is not None else None
         try:
-            summary = simulate(spec, on_round=tick, on_done=done, fleet=profiles)
+            summary = simulate(spec, on_round=tick, on_done=done, fleet=profiles,
+                               attack=harness, attackers=attackers)  # fmt: skip
             dense_spec = dense_twin(spec)
             baseline = (
                 simulate(dense_spec, fleet=profiles) if with_dense and dense_spec != spec else None

@@ -25,6 +25,7 @@ from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.collective.torus import layout_name
 from fedring.config import JobSpec
 from fedring.counters import Counters
+from fedring.engine.attack import Attack
 from fedring.engine.centre import STAR, serve
 from fedring.engine.group import LOCAL_KEY, local_group
 from fedring.engine.loop import LoopResult, run
@@ -48,6 +49,8 @@ def simulate(
     on_done: Callable[[torch.nn.Module, Dataset], None] | None = None,
     fleet: list[Profile] | None = None,
     perturb: Perturb | None = None,
+    attack: Attack | None = None,
+    attackers: int = 1,
 ) -> dict[str, Any]:
     """Run the job; return a summary (see `summarise`) with per-round rows.
 
@@ -55,7 +58,11 @@ def simulate(
     With ``pipeline_stages`` > 1 the agents form an S x D grid (`sim.pipeline`), whose
     stages fit the budgets of the `fleet`'s boards (one profile per agent).
     `perturb` stands in for members on other CPU architectures (tests of the re-sync).
+    `attack` is a test harness for robust aggregation (`engine.attack`, never on by
+    default): the last `attackers` ranks send poisoned updates; the summary's
+    ``attack`` says which and how many.
     """
+    ranks = _attackers(spec, attack, attackers)
     if spec.pipeline_stages > 1:
         from fedring.sim.pipeline import simulate_pipeline
 
@@ -80,7 +87,8 @@ def simulate(
     members = [
         build.member(spec, p.task, p.dataset, *prepared[r], groups[r], rank=r,
                      weight=p.weights[r], yielder=baton,
-                     on_round=on_round if r == 0 else None)
+                     on_round=on_round if r == 0 else None,
+                     attack=attack if r in ranks else None, counters=counters)
         for r in range(spec.agents)
     ]
     if perturb is not None:
@@ -117,11 +125,28 @@ def simulate(
     models = [m.state.model for m in members]
     summary = summarise(spec, p, results, models, channels, time.perf_counter() - start)
     summary["counters"] = counters.snapshot()
+    if attack is not None:
+        summary["attack"] = {**attack.to_dict(), "attackers": ranks,
+                             "attack_updates": counters.get("attack_updates")}  # fmt: skip
     if choice is not None:
         summary["collective"] = [{"epoch": 0, "members": spec.agents, **choice.to_dict()}]
     if on_done is not None:
         on_done(models[0], p.dataset)
     return summary
+
+
+def _attackers(spec: JobSpec, attack: Attack | None, attackers: int) -> list[int]:
+    """The attacking ranks: the last `attackers` of the job's (none without an attack)."""
+    if attack is None:
+        return []
+    if spec.pipeline_stages > 1 or spec.sync == "async":
+        raise ValueError(
+            f"attack {str(attack)!r}: simulate attacks sync, local and adaptive jobs, "
+            f"not {'a pipeline' if spec.pipeline_stages > 1 else 'sync = async'}"
+        )
+    if isinstance(attackers, bool) or not 1 <= attackers <= spec.agents:
+        raise ValueError(f"attackers={attackers!r}: expected 1 to agents={spec.agents}")
+    return list(range(spec.agents - attackers, spec.agents))
 
 
 def _gather(agents: list[Any], centre: Any | None = None) -> list[Any]:
