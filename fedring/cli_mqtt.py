@@ -119,12 +119,19 @@ def agent_cmd(
         "MODULE:FACTORY (repeatable). Tasks installed as packages (entry points "
         "'fedring.tasks') need no flag; code is never taken from the coordinator.",
     ),
+    attack: str | None = typer.Option(
+        None,
+        "--attack",
+        help="Test fixture for robust aggregation, never on by default: this agent poisons "
+        "every job it joins: sign-flip | scale[:FACTOR] (-10) | noise[:SIGMA] | label-flip.",
+    ),
 ) -> None:
     """Run the agent daemon: enrol with the broker, train when a coordinator calls.
 
     Stops cleanly on SIGTERM or Ctrl-C: halts any round, publishes "offline", exits 0.
     """
     from fedring.edge_agent.daemon import AgentDaemon
+    from fedring.engine.attack import Attack
     from fedring.firmware_profiles.apply import resolve, settings_for
     from fedring.firmware_profiles.schema import ProfileError
     from fedring.transport.mqtt import (
@@ -141,13 +148,18 @@ def agent_cmd(
     except IdentityMismatch as exc:
         raise typer.BadParameter(str(exc), param_hint="--id/--username") from None
     try:
+        harness = Attack.parse(attack) if attack is not None else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--attack") from None
+    try:
         board, link, why = resolve(profile)
         settings = settings_for(board, link, threads)
         cfg = broker_config(broker, username, password_file, ca, cert, key,
                             keepalive or settings.keepalive_s)  # fmt: skip
         daemon = AgentDaemon(cfg, agent_id, data_dir=data_dir, profile=settings.hello(),
                              threads=settings.torch_threads, budget=board,
-                             allowed_modules=tuple(allow_task_module))  # fmt: skip
+                             allowed_modules=tuple(allow_task_module),
+                             attack=harness)  # fmt: skip
     except ProfileError as exc:
         raise typer.BadParameter(str(exc), param_hint="--profile") from None
     except TopicError as exc:

@@ -39,6 +39,7 @@ from fedring.edge_agent.manifest import read_segment, ring_view
 from fedring.edge_agent.running import Running
 from fedring.edge_agent.stage import StageHost
 from fedring.edge_agent.worker import JobWorker, Segment
+from fedring.engine.attack import Attack
 from fedring.engine.gate import CodeRefused
 from fedring.firmware_profiles.apply import runtime_rss
 from fedring.firmware_profiles.schema import Profile
@@ -73,6 +74,7 @@ class AgentDaemon:
         threads: int = 1,
         budget: Profile | None = None,  # the board's profile: refuse jobs that would not fit
         allowed_modules: tuple[str, ...] = (),  # MODULE:ATTR tasks this agent may import
+        attack: Attack | None = None,  # tests only: this agent poisons every job it joins
     ) -> None:
         self.cfg, self.me = cfg, topics.check_id("--id", me)
         self.data_dir = data_dir
@@ -80,6 +82,7 @@ class AgentDaemon:
         self.threads = threads
         self.budget = budget
         self.allowed_modules = allowed_modules
+        self.attack = attack
         self.counters = Counters()
         self.codec = ControlCodec(me, counters=self.counters)
         self.stop = threading.Event()
@@ -103,6 +106,10 @@ class AgentDaemon:
         torch.set_num_threads(self.threads)
         self.link = MqttLink(self.cfg, self.me, counters=self.counters).connect()
         self._hello()
+        if self.attack is not None:
+            log.warning("this agent ATTACKS: %s in every ring, star and async job it joins "
+                        "(a test harness for robust aggregation; pipeline stages are not "
+                        "attacked; counted as attack_updates)", self.attack)  # fmt: skip
         log.info("agent %s ready on %s", self.me, self.cfg.url)
         while not self.stop.is_set() and not self.link.taken_over:
             try:
@@ -196,6 +203,7 @@ class AgentDaemon:
                     runtime=runtime_rss,  # the budget counts the process as it is
                 )  # fmt: skip
                 self.worker.drift = self.inject_drift
+                self.worker.attack = self.attack
                 assert self.link is not None
                 self.endpoint = self.link.endpoint(seg.job)
                 if self.centre is not None:

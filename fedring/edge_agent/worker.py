@@ -33,6 +33,8 @@ from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import Payload
 from fedring.config import JobSpec
 from fedring.counters import Counters
+from fedring.engine.attack import COUNTER as ATTACK_COUNTER
+from fedring.engine.attack import Attack
 from fedring.engine.centre import Centre, run_async_member
 from fedring.engine.gate import CodeRefused
 from fedring.engine.group import Group
@@ -157,6 +159,8 @@ class JobWorker:
         self._async: tuple[LocalWork, Callable[[torch.Tensor], Payload]] | None = None
         self.step_s = probe_step(model, x, y, min(spec.batch_size, len(x)))
         self.drift = 0.0  # tests: nudge the parameters by this much before each round
+        self.attack: Attack | None = None  # tests: a robust rule's attacker (`engine.attack`)
+        self.num_classes = dataset.num_classes
         # A derived start is held now; a sent one arrives as the round-0 "model".
         self.initial = flat_params(model) if spec.init == "derived" else None
 
@@ -212,16 +216,17 @@ class JobWorker:
 
     # -- running ----------------------------------------------------------------
 
-    def bind(self, group: Group, weight: float = 0.0) -> Member:
+    def bind(self, group: Group, weight: float = 0.0, counters: Counters | None = None) -> Member:
         """Train with `group` from now on, with `weight` in the mean (0: 1 / members):
         build this agent's member on first use, or move the kept one onto the re-formed
-        ring (its size changes weights and rate)."""
+        ring (its size changes weights and rate). `counters` counts an attacker's
+        poisoned updates."""
         spec = self.spec.replace(agents=group.world)
         weight = weight or 1.0 / group.world
         if self.member is None:
             self.member = build.member(
                 spec, self.task, self.dataset, self.model, self.x, self.y, group,
-                rank=self.shard, weight=weight,
+                rank=self.shard, weight=weight, attack=self.attack, counters=counters,
             )  # fmt: skip
             self._keep(self.committed)
             return self.member
@@ -261,7 +266,8 @@ class JobWorker:
             hub = Centre(PeerChannel(centre, seg.channel_job, key=key, counters=counters,
                                      limits=limits), topics.COORDINATOR)  # fmt: skip
         m = self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s, hub,
-                            algorithm=segment_collective(seg, spec)), seg.weight)  # fmt: skip
+                            algorithm=segment_collective(seg, spec)), seg.weight,
+                   counters)  # fmt: skip
 
         def before(r: int) -> None:
             if gate is not None:
@@ -300,12 +306,13 @@ class JobWorker:
         if self._async is None:  # kept across segments: the batch order and the residual go on
             sampler = ShardSampler(len(self.x), batch_size=spec.batch_size, seed=spec.seed,
                                    rank=self.shard)  # fmt: skip
-            work = LocalWork(self.model, self.x, self.y, self.task.loss, sampler,
+            y = self.y if self.attack is None else self.attack.labels(self.y, self.num_classes)
+            work = LocalWork(self.model, self.x, y, self.task.loss, sampler,
                              build.optimizer(spec, self.task, self.model))  # fmt: skip
             compressed = spec.compression == "group-topk"
             topk = GroupTopK(spec.group_size, spec.k, spec.value_dtype) if compressed else None  # type: ignore[arg-type]
             ef = ErrorFeedback(self.numel) if compressed and spec.error_feedback else None
-            self._async = (work, lambda delta: compress_update(delta, topk, ef)[0])
+            self._async = (work, self._async_compress(topk, ef, counters))
         work, compress = self._async
 
         def before(cycle: int) -> None:
@@ -320,6 +327,22 @@ class JobWorker:
         test_loss, accuracy = self.task.evaluate(self.model, self.dataset)
         return {"rounds": cycles, "accuracy": accuracy, "test_loss": test_loss,
                 "sha256": params_sha256(self.model), "rollbacks": 0}  # fmt: skip
+
+    def _async_compress(
+        self, topk: GroupTopK | None, ef: ErrorFeedback | None, counters: Counters
+    ) -> Callable[[torch.Tensor], Payload]:
+        """An async job's deltas compressed (with error feedback); an attacker's poisoned first."""
+        attack, sent = self.attack, [0]
+        if attack is None:
+            return lambda delta: compress_update(delta, topk, ef)[0]
+
+        def poisoned(delta: torch.Tensor) -> Payload:
+            sent[0] += 1
+            counters.add(ATTACK_COUNTER)
+            seed = (self.spec.seed * 1_000 + self.shard) * 1_000_003 + sent[0]
+            return compress_update(attack.update(delta, seed=seed), topk, ef)[0]
+
+        return poisoned
 
 
 def _shard_and_model(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -50,7 +50,7 @@ def simulate(
     fleet: list[Profile] | None = None,
     perturb: Perturb | None = None,
     attack: Attack | None = None,
-    attackers: int = 1,
+    attackers: int | Sequence[int] = 1,
 ) -> dict[str, Any]:
     """Run the job; return a summary (see `summarise`) with per-round rows.
 
@@ -59,8 +59,8 @@ def simulate(
     stages fit the budgets of the `fleet`'s boards (one profile per agent).
     `perturb` stands in for members on other CPU architectures (tests of the re-sync).
     `attack` is a test harness for robust aggregation (`engine.attack`, never on by
-    default): the last `attackers` ranks send poisoned updates; the summary's
-    ``attack`` says which and how many.
+    default): the last `attackers` ranks (or those ranks, given as a list) send
+    poisoned updates; the summary's ``attack`` says which and how many.
     """
     ranks = _attackers(spec, attack, attackers)
     if spec.pipeline_stages > 1:
@@ -135,8 +135,9 @@ def simulate(
     return summary
 
 
-def _attackers(spec: JobSpec, attack: Attack | None, attackers: int) -> list[int]:
-    """The attacking ranks: the last `attackers` of the job's (none without an attack)."""
+def _attackers(spec: JobSpec, attack: Attack | None, attackers: int | Sequence[int]) -> list[int]:
+    """The attacking ranks: the last `attackers` of the job's, or the ranks listed (none
+    without an attack)."""
     if attack is None:
         return []
     if spec.pipeline_stages > 1 or spec.sync == "async":
@@ -144,6 +145,11 @@ def _attackers(spec: JobSpec, attack: Attack | None, attackers: int) -> list[int
             f"attack {str(attack)!r}: simulate attacks sync, local and adaptive jobs, "
             f"not {'a pipeline' if spec.pipeline_stages > 1 else 'sync = async'}"
         )
+    if not isinstance(attackers, int):
+        ranks = sorted(set(attackers))
+        if not ranks or not all(type(r) is int and 0 <= r < spec.agents for r in ranks):
+            raise ValueError(f"attackers={attackers!r}: expected ranks 0 to {spec.agents - 1}")
+        return ranks
     if isinstance(attackers, bool) or not 1 <= attackers <= spec.agents:
         raise ValueError(f"attackers={attackers!r}: expected 1 to agents={spec.agents}")
     return list(range(spec.agents - attackers, spec.agents))

@@ -3,6 +3,8 @@ attacker's reducer; in `simulate`, one scaled attacker ruins a plain mean."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -122,3 +124,54 @@ def test_simulate_refuses_more_attackers_than_agents_and_async_jobs() -> None:
         simulate(JobSpec(agents=4, rounds=2), attack=Attack.parse("sign-flip"), attackers=5)
     with pytest.raises(ValueError, match="sync = async"):
         simulate(JobSpec(agents=2, rounds=2, sync="async"), attack=Attack.parse("sign-flip"))
+
+
+def test_simulate_takes_the_attacking_ranks_as_a_list() -> None:
+    s = simulate(JobSpec(agents=3, rounds=2, eval_every=2), attack=Attack.parse("noise"),
+                 attackers=[0, 2])  # fmt: skip
+    assert s["attack"]["attackers"] == [0, 2] and s["attack"]["attack_updates"] == 4
+    with pytest.raises(ValueError, match=r"attackers=\[3\]"):
+        simulate(JobSpec(agents=3, rounds=2), attack=Attack.parse("noise"), attackers=[3])
+
+
+def test_an_agent_daemon_worker_attacks_through_its_member_and_its_async_deltas() -> None:
+    from fedring.build import plan
+    from fedring.edge_agent.worker import JobWorker
+    from fedring.engine.group import Group
+    from fedring.transport.inproc import InprocTransport
+
+    spec = JobSpec(agents=2, rounds=4, compression="none")
+    p = plan(spec)
+    counters = Counters()
+
+    def member(attack: Attack | None) -> tuple[JobWorker, Any]:
+        w = JobWorker("a0", "job-1", spec, 0, p.manifest.entry(0).to_dict(), p.model_sha256)
+        w.attack = attack
+        solo = Group.on(InprocTransport().connect("a0"), ("a0",), job="job-1", key=None)
+        return w, w.bind(solo, counters=counters)
+
+    w, honest = member(None)
+    _, flipped = member(Attack.parse("label-flip"))
+    assert not isinstance(honest.state.optimizer.reducer, AttackingReducer)
+    assert isinstance(flipped.state.optimizer.reducer, AttackingReducer)
+    for _ in range(3):  # the same batches, the labels flipped
+        (x, y), (fx, fy) = honest.next_batch(), flipped.next_batch()
+        assert torch.equal(x, fx) and torch.equal(fy, 9 - y)
+    w.attack = Attack.parse("scale:-10")
+    compress = w._async_compress(None, None, counters)
+    assert compress(torch.ones(3)).decompress().tolist() == [-10.0] * 3
+    assert counters.get("attack_updates") == 1
+
+
+AGENT = ["agent", "--broker", "mqtt://127.0.0.1:1", "--id", "a0"]
+
+
+@pytest.mark.parametrize("command", [["simulate", "--rounds", "1"], AGENT])
+def test_the_clis_refuse_a_bad_attack_naming_it(command: list[str]) -> None:
+    from typer.testing import CliRunner
+
+    from fedring.cli import app
+
+    result = CliRunner(env={"COLUMNS": "240"}).invoke(app, [*command, "--attack", "scale:big"])
+    assert result.exit_code == 2
+    assert "'big' is not a number" in " ".join(result.output.split())
