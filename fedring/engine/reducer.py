@@ -39,12 +39,18 @@ from fedring.collective.vote import majority_vote
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK, k_for
 from fedring.compression.payload import Payload
-from fedring.compression.quantize import DenseCodec, SignQuantizer
 from fedring.compression.policy import choose_density
+from fedring.compression.quantize import DenseChunk, DenseCodec, SignQuantizer
 from fedring.compression.schedule import DensitySchedule
 from fedring.compression.settings import DEFAULT_VALUE_DTYPE, SettingsError, check_codec
+from fedring.compression.support import at_support, top_indices
+from fedring.compression.values import ValueDtype
 from fedring.engine.group import Collective
 from fedring.engine.star import STAR, Centre
+from fedring.transport.base import Deadline
+
+# values on a consensus support travel without scales: int8 and sign go as fp16
+_CONSENSUS_DTYPE: dict[str, ValueDtype] = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 
 __all__ = ["STAR", "Centre", "Collective", "Reducer", "ReducerSettings", "compress_update"]
 
@@ -74,6 +80,11 @@ class ReducerSettings:
         Deadline of a star exchange (a round trip through the centre). None, the
         default, takes the group's `timeout_s`, the one deadline of every collective
         step; set it only to give the star another deadline.
+    consensus : bool
+        A star's members send their values on the support the centre announces
+        (`compression.support`; set for the robust rules over group-top-k), not
+        their own top-k. The centre must run the same protocol
+        (`CentreSettings.consensus`).
     """
 
     compression: Literal["none", "group-topk"] = "group-topk"
@@ -91,6 +102,7 @@ class ReducerSettings:
     policy: Literal["bounded", "exact"] = "bounded"  # sparse ring policy
     sign_feedback: bool = False  # error feedback for the sign vote (signSGD with EF)
     timeout_s: float | None = None  # star exchange; None: the group's timeout_s
+    consensus: bool = False  # star: values on the centre's consensus support
 
     def __post_init__(self) -> None:
         if self.density == "auto":
@@ -117,8 +129,9 @@ class ReducerSettings:
             raise SettingsError("rounds", self.rounds, 'an integer >= 1 with density="auto"')
         plan = choose_density(rounds=self.rounds, local=self.local,
                               participation=self.participation)  # fmt: skip
-        for name, value in (("density", plan.density), ("density_warmup", plan.warmup),
-                            ("density_flush", plan.flush), ("density_auto", plan.reason)):  # fmt: skip
+        chosen = {"density": plan.density, "density_warmup": plan.warmup,
+                  "density_flush": plan.flush, "density_auto": plan.reason}  # fmt: skip
+        for name, value in chosen.items():
             object.__setattr__(self, name, value)
 
     @property
@@ -270,12 +283,50 @@ class Reducer:
 
     def star(self, vec: torch.Tensor, *, round: int, scale: float = 1.0) -> torch.Tensor:
         """Send ``scale * vec``, compressed, to the centre; return what it decides."""
-        sent = self.compress(vec * scale if scale != 1.0 else vec, round)
+        vec = vec * scale if scale != 1.0 else vec
+        if self.consensus:
+            return self._star_on_support(vec, round)
+        sent = self.compress(vec, round)
         return self._centre.exchange(sent, round=round, numel=self.numel, timeout_s=self.timeout_s)
 
     def star_result(self, *, round: int) -> torch.Tensor:
-        """A member that sits this round out (client sampling): only the centre's reply."""
-        return self._centre.result(round=round, numel=self.numel, timeout_s=self.timeout_s)
+        """A member that sits this round out (client sampling): only the centre's reply
+        (and, with a consensus support, the round's support, which it does not need)."""
+        return self._centre.result(round=round, numel=self.numel, timeout_s=self.timeout_s,
+                                   consensus=self.consensus)  # fmt: skip
+
+    @property
+    def consensus(self) -> bool:
+        """Star rounds on the centre's consensus support (group-top-k only)."""
+        return self.settings.consensus and self.topk is not None
+
+    def _star_on_support(self, vec: torch.Tensor, round: int) -> torch.Tensor:
+        """One consensus round: take the round's support, send the error-compensated
+        values on it and the top-k of what is left as votes for the next; error
+        feedback keeps everything off the support (`compression.support`)."""
+        assert self.topk is not None
+        link, deadline = self._centre, Deadline.after(self.timeout_s)
+        support = link.support(round=round, numel=self.numel, deadline=deadline)
+        if support.group_size != self.topk.group_size:
+            raise ValueError(
+                f"round {round}: the centre's support has groups of {support.group_size}, "
+                f"this member {self.topk.group_size}"
+            )
+        g = self.ef.compensate(vec) if self.ef is not None else vec.clone()
+        norm = float(torch.linalg.vector_norm(g))
+        values: DenseChunk | None = None
+        if support.k:
+            sent = at_support(g, support, _CONSENSUS_DTYPE.get(self.settings.value_dtype, "fp16"))
+            if self.ef is not None:
+                self.ef.update(sent)  # g, the residual itself, keeps what was not sent
+            else:
+                sent.add_to(g, alpha=-1.0)
+            values = DenseChunk(support.size, 0, sent.values.reshape(-1))
+        left = self.ef.residual if self.ef is not None else g
+        self.last_error = float(torch.linalg.vector_norm(left)) / norm if norm > 0 else 0.0
+        k = self._k(round + 1) or self.topk.k
+        votes = top_indices(left, group_size=self.topk.group_size, k=k)
+        return link.exchange_on(values, votes, round=round, numel=self.numel, deadline=deadline)
 
     @property
     def _centre(self) -> Centre:

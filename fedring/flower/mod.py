@@ -27,9 +27,15 @@ added or reshaped; key order does not matter) is refused: the mod returns a
 Flower error reply (`MOD_FAILED_PRECONDITION`, reason starting
 "fedring.flower.mod refused") and `CompressedUplinks` raises `UplinkMismatch`.
 
-Tuning: `make_group_topk_mod(density=0.01, group_size=256, value_dtype="fp16",
-sit_out="pace")`; density first (1% keeps 3 of every 256 entries), error feedback
-stays on.
+Tuning: `make_group_topk_mod(density="auto", group_size=256, value_dtype="fp16",
+sit_out="pace", saving=10)`. ``density = "auto"`` (the default) takes the run's
+rounds and the fraction of nodes trained a round from `CompressedUplinks`'s stamp
+and chooses as `compression.policy` does for `fedring simulate`: enough density
+that error feedback delivers within the rounds each node trains, at most what
+keeps `saving` x fewer uplink bytes than dense, and a closing flush (every entry
+in the last round) where the budget holds it; `sit_out` may raise k up to that
+cap. A number fixes the density (1% keeps 3 of every 256 entries); error
+feedback stays on.
 
 Client sampling (`sit_out`). Where the strategy samples (FedAvg ``fraction_train``
 < 1), a node trains only some rounds. Its residual does not grow while it sits out,
@@ -83,7 +89,8 @@ from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
 from fedring.compression.error_feedback import ErrorFeedback
-from fedring.compression.group_topk import GroupTopK
+from fedring.compression.group_topk import GroupTopK, k_for
+from fedring.compression.policy import FLOOR, SAVING, cap_for, choose_density
 from fedring.compression.settings import check_codec
 from fedring.compression.values import VALUE_DTYPES
 from fedring.flower import carrier
@@ -169,13 +176,23 @@ def _number(text: str) -> float:
 
 
 def make_group_topk_mod(
-    density: float = 0.01, group_size: int = 256, value_dtype: str = "fp16", sit_out: str = SIT_OUT
-) -> Mod:
+    density: float | str = "auto", group_size: int = 256, value_dtype: str = "fp16",
+    sit_out: str = SIT_OUT, saving: float = SAVING,
+) -> Mod:  # fmt: skip
     """A client mod compressing the train reply's stamped ArrayRecord (see module doc);
-    `sit_out` is the policy for a node back from rounds it did not train."""
-    check_codec(density=density, group_size=group_size, value_dtype=value_dtype,
-                value_dtypes=VALUE_DTYPES)  # the check ReducerSettings and JobSpec share
-    topk = GroupTopK.from_density(density, group_size, value_dtype)  # type: ignore[arg-type]
+    `sit_out` is the policy for a node back from rounds it did not train; ``density =
+    "auto"`` chooses k each round from the run's rounds and the fraction trained a
+    round (`compression.policy`, both stamped by `CompressedUplinks`), for at least
+    `saving` x fewer uplink bytes than dense."""
+    auto = density == "auto"
+    check_codec(
+        density=0.01 if auto else density,
+        group_size=group_size,
+        value_dtype=value_dtype,
+        value_dtypes=VALUE_DTYPES,
+    )  # as ReducerSettings, JobSpec
+    cap = cap_for(saving)
+    topk = GroupTopK.from_density(0.01 if auto else density, group_size, value_dtype)  # type: ignore[arg-type]
     policy = SitOut.parse(sit_out)
 
     def mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -184,7 +201,9 @@ def make_group_topk_mod(
         if STAMP not in msg.content.config_records:
             log(WARNING, UNSTAMPED)
             return call_next(msg, context)
-        key = str(msg.content.config_records[STAMP].get("key", ""))
+        stamp = msg.content.config_records[STAMP]
+        key = str(stamp.get("key", ""))
+        k_auto = _auto_k(stamp, _round(msg), group_size, saving) if auto else None
         # the app sees what plain Flower sends; a new RecordDict, since an in-process
         # grid may hand every node the same content object
         msg.content = RecordDict({n: r for n, r in msg.content.items() if n != STAMP})
@@ -219,7 +238,11 @@ def make_group_topk_mod(
             ef.residual.copy_(torch.from_numpy(residual))
             policy.residual(ef.residual, missed)
         pace = rnd / (times + 1) if rnd > 0 and times >= 0 else 1.0
-        k_now = policy.k(topk.k, topk.group_size, missed, pace)
+        if k_auto is None:
+            k_now = policy.k(topk.k, topk.group_size, missed, pace)
+        else:  # auto counted the participation already: sit_out may add up to the cap
+            k_now = max(k_auto, min(policy.k(k_auto, group_size, missed, pace),
+                                    k_for(cap, group_size)))  # fmt: skip
         sent = topk.compress(ef.compensate(flatten(trained, keys) - before), k=k_now)
         ef.update(sent)
         context.state[_STATE] = ArrayRecord({"r": Array(ef.residual.numpy())})
@@ -234,6 +257,20 @@ def make_group_topk_mod(
         return Message(content, reply_to=msg)
 
     return mod
+
+
+def _auto_k(stamp: ConfigRecord, rnd: int, group_size: int, saving: float) -> int:
+    """k of density auto this round: the plan of the stamped rounds and participation;
+    every entry in the last round (the closing flush). Without a stamp's rounds (a
+    strategy not started by `start`), the plan of a long run: the floor, 1%."""
+    rounds, part = stamp.get("rounds"), stamp.get("participation")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        return k_for(FLOOR, group_size)
+    part = float(part) if isinstance(part, float | int) and 0 < part <= 1 else 1.0
+    plan = choose_density(rounds=rounds, local=True, participation=part, saving=saving)
+    if plan.flush and rnd >= rounds - plan.flush + 1:  # server rounds count from 1
+        return group_size
+    return k_for(plan.density, group_size)
 
 
 def _refusal(msg: Message, why: str) -> Message:

@@ -25,9 +25,10 @@ from torch import nn
 from fedring import build
 from fedring.aggregation.rules import Aggregation, capped_weights
 from fedring.compression.error_feedback import ErrorFeedback
-from fedring.compression.group_topk import GroupTopK
+from fedring.compression.group_topk import GroupTopK, k_for
 from fedring.compression.payload import Payload
 from fedring.compression.quantize import SignQuantizer
+from fedring.compression.schedule import DensitySchedule
 from fedring.config import JobSpec
 from fedring.engine.local import LocalWork
 from fedring.engine.participation import SitOut
@@ -152,6 +153,20 @@ def _compressor(spec: JobSpec) -> GroupTopK | None:
     return GroupTopK(spec.group_size, spec.k, spec.value_dtype)  # type: ignore[arg-type]
 
 
+def _round_k(spec: JobSpec, r: int | None) -> int | None:
+    """k of round `r` under the job's DGC warm-up and closing flush (as the reducer's
+    `DensitySchedule` in-process); None: the codec's own k (no schedule, round unknown)."""
+    if (
+        r is None
+        or spec.compression != "group-topk"
+        or not (spec.density_warmup or spec.density_flush)
+    ):
+        return None
+    schedule = DensitySchedule(float(spec.density), steps_per_stage=spec.density_warmup,
+                               rounds=spec.rounds, flush=spec.density_flush)  # fmt: skip
+    return k_for(schedule.density(r), spec.group_size)
+
+
 def apply_downlink(state: NodeState, update: Payload | None, params: Payload | None,
                    want_sha256: str) -> None:  # fmt: skip
     """Move the held model to the ServerApp's: a delta added, or whole parameters."""
@@ -209,7 +224,7 @@ def train_round(
             ef.update(payload)
         error = 0.0
     else:
-        payload, error = compress_update(vec, _compressor(spec), ef)
+        payload, error = compress_update(vec, _compressor(spec), ef, _round_k(spec, r))
     residual = ef.residual if ef is not None else state.residual
     new = _save(work, state.rank, residual)
     new.last_round = state.last_round if r is None else r

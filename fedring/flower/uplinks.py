@@ -96,6 +96,13 @@ class CompressedUplinks(Strategy):
         self.__dict__ = inner.__dict__  # one state for both names (module doc)
         self._fedring_key = key if key is not None else inner_key(inner)
         self._fedring_global: ArrayRecord | None = None
+        self._fedring_rounds = 0  # the run's rounds, from `start` (0: not started by it)
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
+              *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        """The inner strategy's `start`; notes `num_rounds` for the mod's density auto."""
+        self._fedring_rounds = num_rounds
+        return super().start(grid, initial_arrays, num_rounds, *args, **kwargs)  # type: ignore[safe-super]
 
     if TYPE_CHECKING:  # the inner strategy's attributes, for type checkers
 
@@ -113,8 +120,14 @@ class CompressedUplinks(Strategy):
             )
         self._fedring_global = arrays
         messages = list(super().configure_train(server_round, arrays, config, grid))  # type: ignore[safe-super]
+        nodes = max(len(list(grid.get_node_ids())), len(messages), 1)
+        stamp = {
+            "key": self._fedring_key,
+            "rounds": self._fedring_rounds,
+            "participation": len(messages) / nodes,
+        }  # for the mod's density auto
         for m in messages:
-            m.content[STAMP] = ConfigRecord({"key": self._fedring_key})
+            m.content[STAMP] = ConfigRecord(stamp)
         return messages
 
     def aggregate_train(

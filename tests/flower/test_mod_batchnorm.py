@@ -164,9 +164,10 @@ def test_a_batchnorm_model_keeps_learning_with_compressed_uplinks(tmp_path: Path
     )
     acc = {int(r): a for r, a in s["accuracy"].items()}
     assert s["refused"] == []
-    # measured: 0.05 untrained, 0.24 after round 1, 0.88 after round 6; before the
-    # fix every reply was refused from round 2 and accuracy stayed at 0.08
-    assert acc[ROUNDS] > 0.7 and acc[ROUNDS] > acc[1] + 0.3, acc
+    # measured: 0.05 untrained, 0.73 after round 1 and 0.92 after round 6 (density auto:
+    # 11% in a 6-round run; at 1%, 0.24 and 0.88); before the fix every reply was
+    # refused from round 2 and accuracy stayed at 0.08
+    assert acc[ROUNDS] > 0.7 and acc[ROUNDS] > acc[0] + 0.5, acc
     # the running statistics travelled (they start at 0 and 1) ...
     assert s["bn_mean_abs"] > 0.05 and s["bn_var_dev"] > 0.5
     # ... and the step counter is still an integer: ROUNDS times STEPS batches
