@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -160,3 +161,39 @@ def _ring_table(r: dict[str, Any]) -> Table:
         ]
         table.add_row(str(row["agents"]), *cells)
     return table
+
+
+def bench_quality(
+    out: Path = typer.Option(
+        Path("runs/quality"),
+        "--out",
+        help="quality.json (kept across runs), quality.md, quality.png.",
+    ),
+    regimes: str = typer.Option(
+        "all", help="Comma-separated regimes (see fedring.bench.quality.REGIMES) or all."
+    ),
+    seeds: int = typer.Option(3, min=1, help="Seeds a cell (0..N-1)."),
+    frontier: bool = typer.Option(
+        False, "--frontier", help="Where auto misses 1 pp or 10x: fixed densities for 5x-50x."
+    ),
+    attacks: bool = typer.Option(
+        False, "--attacks", help="1 of 4 and 2 of 10 agents attack each robust rule."
+    ),
+) -> None:
+    """Accuracy and uplink bytes of each regime x method (dense twin beside), 3 seeds.
+
+    Cells already in OUT/quality.json are not run again; the table and the plot are
+    re-made from all of them. Heavy (tens of minutes on 2 cores): not part of the tests.
+    """
+    from fedring.bench import quality, quality_report
+
+    names = list(quality.REGIMES) if regimes == "all" else [r for r in regimes.split(",") if r]
+    unknown = [n for n in names if n not in quality.REGIMES]
+    if unknown:
+        typer.echo(f"error: unknown regime {unknown[0]!r}; one of {', '.join(quality.REGIMES)}",
+                   err=True)  # fmt: skip
+        raise typer.Exit(2)
+    results = quality.run(out, names, seeds=seeds, frontier=frontier, attacks=attacks,
+                          say=lambda line: typer.echo(line, err=True))  # fmt: skip
+    quality_report.write(results.rows, out)
+    typer.echo(quality_report.markdown(results.rows))

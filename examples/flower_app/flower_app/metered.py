@@ -17,6 +17,7 @@ Environment variables stand in for the run config, which the engine's
   every node its partition id (a query message, not metered) and lists the nodes
   to FedAvg in partition order: the plain and the compressed run then train the
   same partitions each round (``summary["trained"]`` lists them);
+- ``FEDRING_FLOWER_LOCAL_STEPS``: the clients' local steps (the app's run config: 12);
 - ``FEDRING_FLOWER_SIT_OUT``, ``FEDRING_FLOWER_DENSITY``: the compressed client's
   ``make_group_topk_mod(sit_out=..., density=...)``; unset, it is `group_topk_mod`.
 """
@@ -46,7 +47,8 @@ def _mod_options() -> dict[str, Any]:
     if "FEDRING_FLOWER_SIT_OUT" in os.environ:
         options["sit_out"] = os.environ["FEDRING_FLOWER_SIT_OUT"]
     if "FEDRING_FLOWER_DENSITY" in os.environ:
-        options["density"] = float(os.environ["FEDRING_FLOWER_DENSITY"])
+        value = os.environ["FEDRING_FLOWER_DENSITY"]
+        options["density"] = value if value == "auto" else float(value)
     return options
 
 
@@ -57,12 +59,21 @@ def partition(msg: Message, context: Context) -> Message:
 
 
 plain_client = ClientApp()
-plain_client.train()(client_app.train)
+
+
+def train(msg: Message, context: Context) -> Message:
+    """The app's train, with ``FEDRING_FLOWER_LOCAL_STEPS`` for its local steps."""
+    if "FEDRING_FLOWER_LOCAL_STEPS" in os.environ:
+        context.run_config["local-steps"] = int(os.environ["FEDRING_FLOWER_LOCAL_STEPS"])
+    return client_app.train(msg, context)
+
+
+plain_client.train()(train)
 plain_client.query()(partition)
 _options = _mod_options()
 _mod = make_group_topk_mod(**_options) if _options else group_topk_mod
 compressed_client = ClientApp(mods=[_mod])
-compressed_client.train()(client_app.train)
+compressed_client.train()(train)
 compressed_client.query()(partition)
 
 
