@@ -3,9 +3,11 @@
 from fedring.aggregation.rules import (
     Aggregation,
     capped_weights,
+    centred_clip,
     hybrid,
     mean,
     median,
+    robust,
     sign_vote,
     trimmed_mean,
     weighted,
@@ -14,9 +16,11 @@ from fedring.aggregation.rules import (
 __all__ = [
     "Aggregation",
     "capped_weights",
+    "centred_clip",
     "hybrid",
     "mean",
     "median",
+    "robust",
     "sign_vote",
     "trimmed_mean",
     "weighted",

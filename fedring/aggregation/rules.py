@@ -2,33 +2,52 @@
 
 `updates` is a float tensor [N, D], one row per agent. The ring computes `mean`,
 `weighted` (each agent pre-scales by its weight, the ring sums) and `sign_vote`
-(see `fedring.collective.vote`) without ever stacking; `median` and
-`trimmed_mean` need every update in one place (star topology or async).
+(see `fedring.collective.vote`) without ever stacking; the robust rules
+`median`, `trimmed_mean` and `centred_clip` need every update in one place (star
+topology or async).
+
+The robust rules estimate the mean gradient as the mean does, so they are
+`averaged` (the linear LR scaling applies). On compressed (sparse) updates they
+see real values only when every member sends the same coordinates: a star job
+with a robust rule and group-top-k runs the consensus support of
+`engine.centre` (members send their values on the support the centre announced;
+without it a coordinate-wise median of different supports is mostly zeros).
+
+Measured (digits MLP, 4 agents, star, 300 rounds, seed 0; ``simulate(JobSpec(
+agents=4, dataset="digits", topology="star", rounds=300, density=D,
+aggregation=A))["final_accuracy"]``): see `engine.centre` for the table.
 
     >>> u = torch.tensor([[1., -2.], [3., 0.], [100., 1.]])
     >>> median(u).tolist(), sign_vote(u).tolist()
     ([3.0, 0.0], [1.0, 0.0])
+    >>> median(torch.tensor([[1.], [2.], [4.], [100.]])).tolist()  # the two middles' mean
+    [3.0]
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-KINDS = ("mean", "weighted", "vote", "hybrid", "median", "trimmed")
+KINDS = ("mean", "weighted", "vote", "hybrid", "median", "trimmed", "clip")
+ROBUST = ("median", "trimmed", "clip")
 
 
 @dataclass(frozen=True)
 class Aggregation:
     """A parsed rule: ``mean``, ``weighted``, ``vote``, ``hybrid:L`` or ``hybrid:L0-L1``
-    (lambda scheduled linearly from L0 to L1), ``median``, ``trimmed:BETA``."""
+    (lambda scheduled linearly from L0 to L1), ``median``, ``trimmed:BETA``, ``clip``
+    or ``clip:TAU`` (centred clipping; TAU > 0 a fixed radius, else the median
+    distance of the updates from the centre, round by round)."""
 
     kind: str
     lam0: float = 1.0
     lam1: float = 1.0
     beta: float = 0.1
+    tau: float = 0.0  # clip: the radius; 0 = adaptive
 
     @classmethod
     def parse(cls, spec: str) -> Aggregation:
@@ -53,18 +72,33 @@ class Aggregation:
             if not 0.0 <= beta < 0.5:
                 raise ValueError(f"aggregation {spec!r}: BETA must be in [0, 0.5)")
             return cls(kind, beta=beta)
+        if kind == "clip" and arg:
+            try:
+                tau = float(arg)
+            except ValueError:
+                raise ValueError(f"aggregation {spec!r}: TAU must be a number") from None
+            if not (tau > 0.0 and math.isfinite(tau)):
+                raise ValueError(f"aggregation {spec!r}: TAU must be a finite number > 0")
+            return cls(kind, tau=tau)
         if arg:
             raise ValueError(f"aggregation {spec!r}: {kind} takes no argument")
         return cls(kind)
 
     @property
     def averaged(self) -> bool:
-        """Updates are averaged: the linear LR scaling rule applies."""
-        return self.kind in ("mean", "weighted", "hybrid")
+        """The result estimates the mean update: the linear LR scaling rule applies.
+        True for the robust rules too (a median of N gradients estimates the mean
+        gradient as their mean does); False only for the sign vote."""
+        return self.kind != "vote"
+
+    @property
+    def robust(self) -> bool:
+        """Median, trimmed mean or centred clipping: every update in one place."""
+        return self.kind in ROBUST
 
     @property
     def needs_star(self) -> bool:
-        return self.kind in ("median", "trimmed")
+        return self.robust
 
     def lam(self, round: int, rounds: int) -> float:
         """Hybrid lambda at `round`: more global early, more local late when scheduled."""
@@ -101,8 +135,13 @@ def weighted(updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def median(updates: torch.Tensor) -> torch.Tensor:
-    """Coordinate-wise median (lower middle for even N, as torch does)."""
-    return updates.median(dim=0).values
+    """Coordinate-wise median; for even N the mean of the two middles (torch's own
+    `median` takes the lower one, a bias towards the smaller values)."""
+    n = updates.shape[0]
+    if n % 2:
+        return updates.median(dim=0).values
+    ordered = updates.sort(dim=0).values
+    return (ordered[n // 2 - 1] + ordered[n // 2]) * 0.5
 
 
 def trimmed_mean(updates: torch.Tensor, beta: float) -> torch.Tensor:
@@ -111,6 +150,45 @@ def trimmed_mean(updates: torch.Tensor, beta: float) -> torch.Tensor:
     cut = int(beta * n)
     ordered = updates.sort(dim=0).values
     return ordered[cut : n - cut].mean(dim=0)
+
+
+def centred_clip(
+    updates: torch.Tensor, tau: float = 0.0, iters: int = 3, centre: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Centred clipping (Karimireddy, He and Jaggi 2021): ``v <- v + mean_i clip(x_i - v)``,
+    `iters` times, where ``clip(d) = d * min(1, tau / ||d||)``.
+
+    `centre` is where v starts (None: the coordinate-wise `median`, a robust start
+    that needs no state: a star's consensus support changes every round, so the
+    previous aggregate says little about this round's coordinates). ``tau = 0``
+    takes the median of the distances ``||x_i - v||`` at every iteration, so at
+    most half the updates are clipped and an outlier moves v by at most ``tau / N``.
+
+        >>> u = torch.tensor([[1., 0.], [1., 0.], [1., 0.], [-100., 0.]])
+        >>> centred_clip(u).tolist()
+        [1.0, 0.0]
+    """
+    v = median(updates) if centre is None else centre.clone()
+    for _ in range(iters):
+        diff = updates - v
+        dist = torch.linalg.vector_norm(diff, dim=1)
+        radius = tau if tau > 0 else float(median(dist[:, None]))
+        if radius <= 0.0:
+            break  # half or more sit on v already: v is their value
+        factor = torch.clamp(radius / torch.clamp(dist, min=1e-30), max=1.0)
+        v = v + (diff * factor[:, None]).mean(dim=0)
+    return v
+
+
+def robust(updates: torch.Tensor, rule: Aggregation) -> torch.Tensor:
+    """The robust `rule` (median, trimmed or clip) over stacked updates ``[N, D]``."""
+    if rule.kind == "median":
+        return median(updates)
+    if rule.kind == "trimmed":
+        return trimmed_mean(updates, rule.beta)
+    if rule.kind == "clip":
+        return centred_clip(updates, rule.tau)
+    raise ValueError(f"aggregation {rule.kind!r} is not a robust rule")
 
 
 def sign_vote(updates: torch.Tensor) -> torch.Tensor:
