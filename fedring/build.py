@@ -87,7 +87,15 @@ def reducer_settings(spec: JobSpec) -> ReducerSettings:
         policy=spec.policy,  # type: ignore[arg-type]
         sign_feedback=Aggregation.parse(spec.aggregation).kind == "vote",
         timeout_s=spec.timeout_s,
+        consensus=consensus(spec),
     )
+
+
+def consensus(spec: JobSpec) -> bool:
+    """A robust rule over group-top-k, synchronously through a star: the members send
+    their values on the centre's consensus support (`compression.support`)."""
+    rule = Aggregation.parse(spec.aggregation)
+    return rule.robust and spec.compression == "group-topk" and spec.sync != "async"
 
 
 def needs_centre(spec: JobSpec) -> bool:
@@ -132,6 +140,7 @@ def centre_settings(spec: JobSpec, start_round: int = 0) -> CentreSettings:
     return CentreSettings(
         aggregation=spec.aggregation, rounds=spec.rounds, start_round=start_round,
         timeout_s=spec.timeout_s, sample=spec.sample, seed=spec.seed,
+        consensus=consensus(spec), group_size=spec.group_size,
     )  # fmt: skip
 
 

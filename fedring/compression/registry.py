@@ -24,6 +24,7 @@ from fedring.compression.quantize import (
     SignQuantizer,
 )
 from fedring.compression.sparse import GroupSparse, SparseGroups
+from fedring.compression.support import GroupIndices
 
 _PAYLOAD_TYPES: tuple[type[Any], ...] = (
     DenseChunk,
@@ -31,6 +32,7 @@ _PAYLOAD_TYPES: tuple[type[Any], ...] = (
     SignBits,
     SparseGroups,
     GroupSparse,
+    GroupIndices,
 )
 PAYLOADS: Mapping[str, type[Any]] = {cls.codec_id: cls for cls in _PAYLOAD_TYPES}
 

@@ -42,7 +42,7 @@ from typing import Literal
 
 import torch
 
-from fedring.aggregation.rules import Aggregation, median, trimmed_mean
+from fedring.aggregation.rules import Aggregation, robust
 from fedring.collective.channel import (
     CollectiveError,
     CollectiveInterrupted,
@@ -50,7 +50,8 @@ from fedring.collective.channel import (
     PeerLost,
 )
 from fedring.compression.payload import Payload, PayloadLimits
-from fedring.compression.quantize import DenseCodec
+from fedring.compression.quantize import DenseChunk, DenseCodec
+from fedring.compression.support import GroupIndices, choose_support, scatter
 from fedring.engine.local import LocalWork
 from fedring.engine.participation import sampled
 from fedring.engine.star import STAR, Centre
@@ -64,21 +65,21 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CentreSettings:
-    aggregation: str = "mean"  # mean | weighted | hybrid:L | median | trimmed:B
+    aggregation: str = "mean"  # mean | weighted | hybrid:L | median | trimmed:B | clip[:TAU]
     rounds: int = 1  # serve rounds [start_round, rounds)
     start_round: int = 0
     timeout_s: float = 60.0  # wait for one round's updates
     down_dtype: Literal["fp32", "fp16", "bf16"] = "fp16"
     sample: float = 1.0  # client sampling: members per round (`participation.sampled`)
     seed: int = 0  # with the round, picks the sample
+    consensus: bool = False  # members send values on a consensus support (robust rules)
+    group_size: int = 256  # G of the consensus support (the members' group-top-k)
 
 
 def combine(updates: torch.Tensor, rule: Aggregation) -> torch.Tensor:
     """One round's result from the stacked updates ``[N, D]`` (see the module docstring)."""
-    if rule.kind == "median":
-        return median(updates)
-    if rule.kind == "trimmed":
-        return trimmed_mean(updates, rule.beta)
+    if rule.robust:
+        return robust(updates, rule)
     if rule.kind == "vote":
         raise ValueError("the sign vote runs on the ring, not through a star's centre")
     return updates.sum(dim=0)  # members sent their weighted share
@@ -96,6 +97,8 @@ def serve(
     raised whenever it happens: returning would leave the members that did send
     waiting out their own timeout for a reply that never comes, and hide why.
     """
+    if settings.consensus:
+        return _serve_on_support(channel, members, numel, settings)
     rule = Aggregation.parse(settings.aggregation)
     limits = PayloadLimits(max_numel=numel)
     codec = DenseCodec(settings.down_dtype)
@@ -120,13 +123,79 @@ def serve(
     return served
 
 
+def _serve_on_support(
+    channel: PeerChannel, members: tuple[str, ...], numel: int, settings: CentreSettings
+) -> int:
+    """`serve` with a consensus support (see the module docstring): every round the
+    sample's votes, the support they choose back to the sample, its values on it,
+    the rule on the stacked values, the dense result to all members."""
+    rule = Aggregation.parse(settings.aggregation)
+    g = settings.group_size
+    codec = DenseCodec(settings.down_dtype)
+    limits = PayloadLimits(max_numel=numel)
+    served = 0
+    for r in range(settings.start_round, settings.rounds):
+        deadline = Deadline.after(settings.timeout_s)
+        sample = [members[i] for i in sampled(settings.seed, r, len(members), settings.sample)]
+        try:
+            votes = [_votes(channel, m, r, numel, g, deadline, limits) for m in sample]
+            support = choose_support(_tally(votes, numel, r), group_size=g, k=votes[0].k,
+                                     seed=settings.seed * 1_000_003 + r)  # fmt: skip
+            for m in sample:
+                channel.send(m, support, round=r, step=0, phase="support", deadline=deadline)
+            values = [_values(channel, m, r, support, deadline) for m in sample]
+        except (PeerLost, CollectiveInterrupted):
+            if served == 0:
+                raise
+            return served
+        down = codec.compress(scatter(combine(torch.stack(values), rule), support))
+        for m in members:
+            channel.send(m, down, round=r, step=0, phase="down", deadline=deadline)
+        served += 1
+    return served
+
+
+def _tally(votes: list[GroupIndices], numel: int, r: int) -> torch.Tensor:
+    """Votes per entry; every member must have voted for as many entries a group."""
+    ks = sorted({v.k for v in votes})
+    if len(ks) != 1:
+        raise CollectiveError(f"round {r}: the members voted for {ks} entries a group")
+    tally = torch.zeros(numel)
+    for v in votes:
+        v.add_to(tally)
+    return tally
+
+
+def _votes(
+    channel: PeerChannel, member: str, r: int, numel: int, g: int, deadline: Deadline,
+    limits: PayloadLimits,
+) -> GroupIndices:  # fmt: skip
+    got = channel.recv(member, round=r, step=0, phase="vote", deadline=deadline, limits=limits)
+    if not isinstance(got, GroupIndices) or got.numel != numel or got.group_size != g:
+        raise CollectiveError(f"round {r}: {member!r} sent no votes for groups of {g} "
+                              f"over {numel} entries")  # fmt: skip
+    return got
+
+
+def _values(
+    channel: PeerChannel, member: str, r: int, support: GroupIndices, deadline: Deadline
+) -> torch.Tensor:
+    """`member`'s values on `support` for round `r` ([n*k] float32)."""
+    got = channel.recv(member, round=r, step=0, phase="up", deadline=deadline,
+                       limits=PayloadLimits(max_numel=support.size))  # fmt: skip
+    if not isinstance(got, DenseChunk) or got.numel != support.size or got.start != 0:
+        raise CollectiveError(f"round {r}: {member!r} sent no values on the round's support "
+                              f"({support.size} entries)")  # fmt: skip
+    return got.values.to(torch.float32)
+
+
 @dataclass(frozen=True)
 class AsyncSettings:
     rounds: int = 1  # model versions to reach
     start_version: int = 0
     wait: int = 1  # soft synchronisation: apply after this many deltas (1: plain async)
     staleness_power: float = 0.5  # a delta's weight: 1 / (1 + staleness) ** power
-    aggregation: str = "mean"  # mean | median | trimmed:B over one application's deltas
+    aggregation: str = "mean"  # mean | median | trimmed:B | clip over one application's deltas
     timeout_s: float = 60.0  # no delta from any member for this long ends the service
 
 
@@ -174,7 +243,7 @@ def serve_async(
             buffer.append(delta.decompress() / (1.0 + staleness) ** settings.staleness_power)
             if len(buffer) >= settings.wait:
                 stacked = torch.stack(buffer)
-                update = stacked.mean(dim=0) if rule.averaged else combine(stacked, rule)
+                update = combine(stacked, rule) if rule.robust else stacked.mean(dim=0)
                 state.model = state.model + update
                 state.version += 1
                 buffer.clear()

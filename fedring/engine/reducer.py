@@ -290,10 +290,8 @@ class Reducer:
         return self._centre.exchange(sent, round=round, numel=self.numel, timeout_s=self.timeout_s)
 
     def star_result(self, *, round: int) -> torch.Tensor:
-        """A member that sits this round out (client sampling): only the centre's reply
-        (and, with a consensus support, the round's support, which it does not need)."""
-        return self._centre.result(round=round, numel=self.numel, timeout_s=self.timeout_s,
-                                   consensus=self.consensus)  # fmt: skip
+        """A member that sits this round out (client sampling): only the centre's reply."""
+        return self._centre.result(round=round, numel=self.numel, timeout_s=self.timeout_s)
 
     @property
     def consensus(self) -> bool:
@@ -301,32 +299,30 @@ class Reducer:
         return self.settings.consensus and self.topk is not None
 
     def _star_on_support(self, vec: torch.Tensor, round: int) -> torch.Tensor:
-        """One consensus round: take the round's support, send the error-compensated
-        values on it and the top-k of what is left as votes for the next; error
-        feedback keeps everything off the support (`compression.support`)."""
+        """One consensus round (`compression.support`): vote with the top-k of the
+        error-compensated update, take the round's support, send the values on it;
+        error feedback keeps everything off the support."""
         assert self.topk is not None
         link, deadline = self._centre, Deadline.after(self.timeout_s)
+        g = self.ef.compensate(vec) if self.ef is not None else vec.clone()
+        k = self._k(round) or self.topk.k
+        link.vote(top_indices(g, group_size=self.topk.group_size, k=k), round=round,
+                  deadline=deadline)  # fmt: skip
         support = link.support(round=round, numel=self.numel, deadline=deadline)
         if support.group_size != self.topk.group_size:
             raise ValueError(
                 f"round {round}: the centre's support has groups of {support.group_size}, "
                 f"this member {self.topk.group_size}"
             )
-        g = self.ef.compensate(vec) if self.ef is not None else vec.clone()
         norm = float(torch.linalg.vector_norm(g))
-        values: DenseChunk | None = None
-        if support.k:
-            sent = at_support(g, support, _CONSENSUS_DTYPE.get(self.settings.value_dtype, "fp16"))
-            if self.ef is not None:
-                self.ef.update(sent)  # g, the residual itself, keeps what was not sent
-            else:
-                sent.add_to(g, alpha=-1.0)
-            values = DenseChunk(support.size, 0, sent.values.reshape(-1))
-        left = self.ef.residual if self.ef is not None else g
-        self.last_error = float(torch.linalg.vector_norm(left)) / norm if norm > 0 else 0.0
-        k = self._k(round + 1) or self.topk.k
-        votes = top_indices(left, group_size=self.topk.group_size, k=k)
-        return link.exchange_on(values, votes, round=round, numel=self.numel, deadline=deadline)
+        sent = at_support(g, support, _CONSENSUS_DTYPE.get(self.settings.value_dtype, "fp16"))
+        if self.ef is not None:
+            self.ef.update(sent)  # g, the residual itself, keeps what was not sent
+        else:
+            sent.add_to(g, alpha=-1.0)
+        self.last_error = float(torch.linalg.vector_norm(g)) / norm if norm > 0 else 0.0
+        values = DenseChunk(support.size, 0, sent.values.reshape(-1))
+        return link.exchange_on(values, round=round, numel=self.numel, deadline=deadline)
 
     @property
     def _centre(self) -> Centre:
