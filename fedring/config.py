@@ -312,6 +312,8 @@ def _choose_density(spec: JobSpec) -> None:
     valid = isinstance(sample, int | float) and not isinstance(sample, bool) and sample > 0
     plan = choose_density(
         rounds=spec.rounds, local=spec.sync != "sync", saving=spec.saving,
+        local_steps=spec.local_steps if type(spec.local_steps) is int and spec.local_steps > 0
+        else 1,
         participation=per_round(spec.agents, sample) / spec.agents if valid else 1.0,
     )  # fmt: skip
     for name, value in (("density", plan.density), ("density_warmup", plan.warmup),

@@ -69,10 +69,10 @@ REGIMES: dict[str, Regime] = {
         Regime("fedavg-h12", "FedAvg, 12 local steps, 40 rounds, 10 of 50 (simulate)",
                _star(local_steps=12), STANDARD),
         Regime("flower-h1", "Flower FedAvg app + group_topk_mod, 1 local step, 40 rounds, "
-               "10 of 50", {"local_steps": 1}, {"auto": {}, "1%": {"density": 0.01}},
+               "10 of 50", {"local_steps": 1}, {"auto": {}},
                runner="flower", dense={"plain": True}),
         Regime("flower-h12", "Flower FedAvg app + group_topk_mod, 12 local steps, 40 rounds, "
-               "10 of 50", {"local_steps": 12}, {"auto": {}, "1%": {"density": 0.01}},
+               "10 of 50", {"local_steps": 12}, {"auto": {}},
                runner="flower", dense={"plain": True}),
         Regime("local-h1", "local SGD, 1 step a round, 40 rounds, 4 agents", {
             "agents": 4, "dataset": "digits", "sync": "local", "local_steps": 1,

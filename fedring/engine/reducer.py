@@ -97,6 +97,7 @@ class ReducerSettings:
     density_flush: int = 0  # the last this many of `rounds` send every entry; 0 = off
     rounds: int = 0  # the job's rounds (agreements): for "auto" and the closing flush
     local: bool = False  # "auto": members agree on parameter deltas (local mode)
+    local_steps: int = 1  # "auto": the local steps behind each delta (local mode)
     participation: float = 1.0  # "auto": the fraction of members trained a round
     density_auto: str = ""  # set by density="auto": what it chose and why
     policy: Literal["bounded", "exact"] = "bounded"  # sparse ring policy
@@ -128,7 +129,8 @@ class ReducerSettings:
         if type(self.rounds) is not int or self.rounds < 1:
             raise SettingsError("rounds", self.rounds, 'an integer >= 1 with density="auto"')
         plan = choose_density(rounds=self.rounds, local=self.local,
-                              participation=self.participation)  # fmt: skip
+                              participation=self.participation,
+                              local_steps=self.local_steps)  # fmt: skip
         chosen = {"density": plan.density, "density_warmup": plan.warmup,
                   "density_flush": plan.flush, "density_auto": plan.reason}  # fmt: skip
         for name, value in chosen.items():

@@ -177,13 +177,14 @@ def _number(text: str) -> float:
 
 def make_group_topk_mod(
     density: float | str = "auto", group_size: int = 256, value_dtype: str = "fp16",
-    sit_out: str = SIT_OUT, saving: float = SAVING,
+    sit_out: str = SIT_OUT, saving: float = SAVING, local_steps: int = 1,
 ) -> Mod:  # fmt: skip
     """A client mod compressing the train reply's stamped ArrayRecord (see module doc);
     `sit_out` is the policy for a node back from rounds it did not train; ``density =
     "auto"`` chooses k each round from the run's rounds and the fraction trained a
     round (`compression.policy`, both stamped by `CompressedUplinks`), for at least
-    `saving` x fewer uplink bytes than dense."""
+    `saving` x fewer uplink bytes than dense; `local_steps`, the steps the app takes
+    a round, lets it choose a sparser density (the mod cannot see them: 1 is safe)."""
     auto = density == "auto"
     check_codec(
         density=0.01 if auto else density,
@@ -203,7 +204,7 @@ def make_group_topk_mod(
             return call_next(msg, context)
         stamp = msg.content.config_records[STAMP]
         key = str(stamp.get("key", ""))
-        k_auto = _auto_k(stamp, _round(msg), group_size, saving) if auto else None
+        k_auto = _auto_k(stamp, _round(msg), group_size, saving, local_steps) if auto else None
         # the app sees what plain Flower sends; a new RecordDict, since an in-process
         # grid may hand every node the same content object
         msg.content = RecordDict({n: r for n, r in msg.content.items() if n != STAMP})
@@ -259,7 +260,9 @@ def make_group_topk_mod(
     return mod
 
 
-def _auto_k(stamp: ConfigRecord, rnd: int, group_size: int, saving: float) -> int:
+def _auto_k(
+    stamp: ConfigRecord, rnd: int, group_size: int, saving: float, local_steps: int = 1
+) -> int:
     """k of density auto this round: the plan of the stamped rounds and participation;
     every entry in the last round (the closing flush). Without a stamp's rounds (a
     strategy not started by `start`), the plan of a long run: the floor, 1%."""
@@ -267,7 +270,8 @@ def _auto_k(stamp: ConfigRecord, rnd: int, group_size: int, saving: float) -> in
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
         return k_for(FLOOR, group_size)
     part = float(part) if isinstance(part, float | int) and 0 < part <= 1 else 1.0
-    plan = choose_density(rounds=rounds, local=True, participation=part, saving=saving)
+    plan = choose_density(rounds=rounds, local=True, participation=part, saving=saving,
+                          local_steps=local_steps)  # fmt: skip
     if plan.flush and rnd >= rounds - plan.flush + 1:  # server rounds count from 1
         return group_size
     return k_for(plan.density, group_size)

@@ -94,3 +94,16 @@ def test_the_flower_mod_takes_rounds_and_participation_from_the_stamp() -> None:
     sampled = ConfigRecord({"key": "arrays", "rounds": 40, "participation": 0.2})
     assert _auto_k(sampled, 40, 256, 10.0) == round(cap_for(10.0) * 256)  # no room to flush
     assert _auto_k(ConfigRecord({"key": "arrays"}), 3, 256, 10.0) == 3  # no rounds: 1%
+
+
+def test_more_local_steps_a_round_need_fewer_turns() -> None:
+    one, twelve = (choose_density(rounds=40, local=True, local_steps=h) for h in (1, 12))
+    assert twelve.density == pytest.approx(3 / (40 * 12**0.5), abs=1e-4) < one.density
+    assert "of 12 local steps" in twelve.reason
+    assert choose_density(rounds=40, local=False, local_steps=12).density == one.density  # sync
+    assert JobSpec(rounds=40, sync="local", local_steps=12).density == twelve.density
+    assert ReducerSettings(density="auto", rounds=40, local=True, local_steps=12).density == (
+        twelve.density
+    )
+    with pytest.raises(ValueError, match="local_steps"):
+        choose_density(rounds=40, local=True, local_steps=0)
