@@ -72,7 +72,8 @@ def test_a_job_resolves_auto_and_keeps_a_given_density() -> None:
     fixed = JobSpec(rounds=40, density=0.01)
     assert (fixed.density, fixed.density_warmup, fixed.density_auto) == (0.01, 10, "")
     assert JobSpec.from_mapping({"density": "auto", "rounds": 600}).density == 0.01
-    sampled = JobSpec(agents=50, topology="star", sample=10, sync="local", rounds=40)
+    sampled = JobSpec(agents=50, topology="star", sample=10, sync="local", rounds=40,
+                      local_steps=1)
     assert sampled.density == pytest.approx(cap_for(5.0), abs=1e-4)  # 8 rounds a member
     with pytest.raises(SpecError, match="density"):
         JobSpec.from_mapping({"density": "dense"})
