@@ -90,7 +90,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
-from fedring.compression.settings import check_codec
+from fedring.compression.policy import choose_density
+from fedring.compression.settings import SettingsError, check_codec
 from fedring.compression.values import VALUE_DTYPES, ValueDtype
 from fedring.engine.ddp_codec import pack, working_dtype
 
@@ -113,8 +114,10 @@ class GroupTopKState:
     ----------
     process_group : ProcessGroup or None
         The group to reduce over; None for the default (world) group.
-    density : float
-        Fraction kept in every group, in (0, 1]; see the module's tuning guide.
+    density : float or "auto"
+        Fraction kept in every group, in (0, 1]; see the module's tuning guide. "auto"
+        chooses it from `steps` as jobs do (`compression.policy`: 1% from 300 steps,
+        3 / steps below, at most 22%).
     group_size : int
         Entries per group; up to 256 gives one-byte indices.
     value_dtype : {"fp32", "fp16", "bf16", "int8", "sign"}
@@ -123,6 +126,8 @@ class GroupTopKState:
         Steps of plain all-reduce before compression starts (>= 2 with error feedback).
     use_error_feedback : bool
         Keep what was not sent in a per-bucket residual and add it to the next step.
+    steps : int
+        The training's optimizer steps; needed with ``density="auto"`` only.
 
     Notes
     -----
@@ -143,13 +148,18 @@ class GroupTopKState:
         self,
         process_group: dist.ProcessGroup | None = None,
         *,
-        density: float = 0.01,
+        density: float | str = 0.01,
         group_size: int = 256,
         value_dtype: ValueDtype = "fp16",
         start_compress_iter: int = 10,
         use_error_feedback: bool = True,
+        steps: int = 0,
     ) -> None:
         # --- argument checks ---
+        if density == "auto":  # `compression.policy` for a job of `steps` sync steps
+            if type(steps) is not int or steps < 1:
+                raise SettingsError("steps", steps, 'an integer >= 1 with density="auto"')
+            density = choose_density(rounds=steps).density
         check_codec(density=density, group_size=group_size, value_dtype=value_dtype,
                     value_dtypes=VALUE_DTYPES)  # shared with ReducerSettings and JobSpec
         if start_compress_iter < 0:

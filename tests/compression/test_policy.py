@@ -109,3 +109,12 @@ def test_more_local_steps_a_round_need_fewer_turns() -> None:
     )
     with pytest.raises(ValueError, match="local_steps"):
         choose_density(rounds=40, local=True, local_steps=0)
+
+
+def test_the_ddp_hook_takes_auto_with_its_steps() -> None:
+    from fedring.engine.ddp_hook import GroupTopKState
+
+    assert GroupTopKState(density="auto", steps=40).compressor.k == 19  # 7.5% of 256
+    assert GroupTopKState(density="auto", steps=1000).compressor.k == 3  # 1%
+    with pytest.raises(SettingsError, match="steps"):
+        GroupTopKState(density="auto")
