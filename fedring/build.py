@@ -75,7 +75,7 @@ def plan(spec: JobSpec) -> Plan:
 def reducer_settings(spec: JobSpec) -> ReducerSettings:
     return ReducerSettings(
         compression=spec.compression,  # type: ignore[arg-type]
-        density=spec.density,
+        density=float(spec.density),
         group_size=spec.group_size,
         value_dtype=spec.value_dtype,  # type: ignore[arg-type]
         error_feedback=spec.error_feedback,

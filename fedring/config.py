@@ -241,7 +241,7 @@ class JobSpec:
 
     @property
     def k(self) -> int:
-        return min(self.group_size, max(1, round(self.density * self.group_size)))
+        return min(self.group_size, max(1, round(float(self.density) * self.group_size)))
 
     def codec_choice(self) -> dict[str, Any]:
         """The summary's ``codec``: the density in force, its warm-up and flush, and

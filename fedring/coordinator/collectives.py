@@ -64,7 +64,7 @@ def warmup_rounds(spec: JobSpec) -> int:
     """Rounds of the density warm-up (denser payloads than the model predicts for)."""
     if spec.compression != "group-topk":
         return 0
-    return spec.density_warmup * sum(1 for d in DGC_STAGES if d > spec.density)
+    return spec.density_warmup * sum(1 for d in DGC_STAGES if d > float(spec.density))
 
 
 class CollectivePlans:

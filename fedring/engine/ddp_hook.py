@@ -171,7 +171,7 @@ class GroupTopKState:
             )
         # --- end of argument checks ---
         self.process_group = process_group
-        self.compressor = GroupTopK.from_density(density, group_size, value_dtype)
+        self.compressor = GroupTopK.from_density(float(density), group_size, value_dtype)
         self.start_compress_iter = start_compress_iter
         self.use_error_feedback = use_error_feedback
         self.error_feedback: dict[int, ErrorFeedback] = {}  # keyed by bucket index

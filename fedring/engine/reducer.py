@@ -138,7 +138,7 @@ class ReducerSettings:
 
     @property
     def k(self) -> int:
-        return min(self.group_size, max(1, round(self.density * self.group_size)))
+        return min(self.group_size, max(1, round(float(self.density) * self.group_size)))
 
     @property
     def compressed(self) -> bool:

@@ -102,7 +102,7 @@ class CompressedUplinks(Strategy):
               *args: Any, **kwargs: Any) -> Any:  # fmt: skip
         """The inner strategy's `start`; notes `num_rounds` for the mod's density auto."""
         self._fedring_rounds = num_rounds
-        return super().start(grid, initial_arrays, num_rounds, *args, **kwargs)  # type: ignore[safe-super]
+        return super().start(grid, initial_arrays, num_rounds, *args, **kwargs)
 
     if TYPE_CHECKING:  # the inner strategy's attributes, for type checkers
 
@@ -121,13 +121,11 @@ class CompressedUplinks(Strategy):
         self._fedring_global = arrays
         messages = list(super().configure_train(server_round, arrays, config, grid))  # type: ignore[safe-super]
         nodes = max(len(list(grid.get_node_ids())), len(messages), 1)
-        stamp = {
-            "key": self._fedring_key,
-            "rounds": self._fedring_rounds,
-            "participation": len(messages) / nodes,
-        }  # for the mod's density auto
-        for m in messages:
-            m.content[STAMP] = ConfigRecord(stamp)
+        for m in messages:  # rounds and participation: for the mod's density auto
+            m.content[STAMP] = ConfigRecord(
+                {"key": self._fedring_key, "rounds": self._fedring_rounds,
+                 "participation": len(messages) / nodes}
+            )  # fmt: skip
         return messages
 
     def aggregate_train(
