@@ -158,6 +158,9 @@ def sync_settings(spec: JobSpec) -> SyncSettings:
         sample=spec.sample,
         seed=spec.seed,
         sit_out=spec.sit_out,
+        # a job's members agree on what Flower's relayed ring and node send: the
+        # gradient (a task's own Adam too), as before `SyncSettings.agree` existed
+        agree="gradient" if spec.sync == "sync" else "auto",
     )
 
 

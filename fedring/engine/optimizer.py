@@ -166,7 +166,19 @@ class DistributedOptimizer(WrappedOptimizer):
         every_buffer = list(model.buffers()) if model is not None else []
         start_together(reducer.channel, c.members, self.params + every_buffer, initial,
                        c.timeout_s)  # fmt: skip
-        self.anchor = flat_params(self.params)  # local mode: the last synced parameters
+        self.anchor = flat_params(self.params)  # the agreed model (local mode, update)
+        ef = reducer.ef
+        compressed = reducer.topk is not None and ef is not None and ef.velocity is None
+        viewable = model is not None  # the view waits for the forward (`_to_view`)
+        self.agreement = s.agreement(optimizer, compressed, viewable=viewable)
+        self.ahead = s.ahead(optimizer, compressed, viewable=viewable) and ef is not None
+        # where this member's steps since the last sync began; None: the agreed model
+        self.start: torch.Tensor | None = None
+        self._view_hook = (
+            model.register_forward_pre_hook(self._to_view)
+            if self.ahead and model is not None
+            else None
+        )
         self.overlap = (
             BucketOverlap(self.params, reducer, s.bucket_kb, yielder,
                           context=lambda: (self.round, self.weight))
@@ -203,10 +215,8 @@ class DistributedOptimizer(WrappedOptimizer):
         result, applied as every trained member applies it."""
         with self._diagnosing():
             agreed = self.reducer.star_result(round=self.round)
-        if self.settings.mode == "local":
-            self.anchor = self.anchor + agreed
-            set_flat_params(self.params, self.anchor)
-            self.local_step = 0
+        if self.agrees_updates:
+            self._move_to(self.anchor + agreed, reset=False)
         else:
             self._write_grads(agreed)
             self._inner_step()
@@ -219,12 +229,8 @@ class DistributedOptimizer(WrappedOptimizer):
         apply their own: sync mode writes it into ``.grad`` and steps the wrapped
         optimizer with its state; local mode moves the synced model by it. Buffers
         are not averaged: that collective carried none."""
-        if self.settings.mode == "local":
-            self.anchor = self.anchor + agreed
-            set_flat_params(self.params, self.anchor)
-            if self.settings.reset_state_at_sync:
-                self.optimizer.state.clear()
-            self.local_step = 0
+        if self.agrees_updates:
+            self._move_to(self.anchor + agreed)
         else:
             self._write_grads(agreed)
             self._inner_step()
@@ -263,7 +269,7 @@ class DistributedOptimizer(WrappedOptimizer):
         """
         if closure is not None:
             raise ValueError("DistributedOptimizer.step takes no closure: call backward first")
-        if self.settings.mode == "local":
+        if self.agrees_updates:
             self._local_step()
             return
         start = time.perf_counter()
@@ -294,23 +300,58 @@ class DistributedOptimizer(WrappedOptimizer):
         self.grad_norm = float(grad.norm())
         self._inner_step()
         self.local_step += 1
-        if self.local_step >= self.local_steps:
+        if self.local_step >= (self.local_steps if self.settings.mode == "local" else 1):
             self.synchronize()
 
+    @property
+    def agrees_updates(self) -> bool:
+        """Local mode, or sync mode's ``update`` agreement (local mode with H = 1)."""
+        return self.settings.mode == "local" or self.agreement == "update"
+
     def synchronize(self) -> None:
-        """Local mode: agree on the parameter deltas since the last sync, move the
-        synced model by the agreed delta, and start the next local steps from it."""
+        """Agree on the parameter deltas since the last sync (local mode, or every
+        step under the ``update`` agreement), move the agreed model by the agreed
+        delta, and start the next steps from it."""
         start = time.perf_counter()
-        delta = flat_params(self.params) - self.anchor
+        delta = flat_params(self.params) - (self.anchor if self.start is None else self.start)
         with self._diagnosing():
-            self.anchor = self.anchor + self.agree(delta)
-        set_flat_params(self.params, self.anchor)
-        if self.settings.reset_state_at_sync:
-            self.optimizer.state.clear()
-        self.local_step = 0
+            agreed = self.agree(delta)
+        self._move_to(self.anchor + agreed)
         self.round += 1
         self._sync_buffers()
         self.times.comm_s = self.times.step_s = time.perf_counter() - start
+
+    def _move_to(self, agreed_model: torch.Tensor, *, reset: bool = True) -> None:
+        """Every member now holds `agreed_model`, and starts its next steps from it
+        (local mode: with a fresh optimizer state if `reset_state_at_sync`)."""
+        self.anchor = agreed_model
+        set_flat_params(self.params, self.anchor)
+        self.start = None
+        if reset and self.settings.reset_state_at_sync and self.settings.mode == "local":
+            self.optimizer.state.clear()
+        self.local_step = 0
+
+    def view(self) -> torch.Tensor:
+        """This member's view: the agreed model plus its own update still waiting in
+        error feedback, at full scale (the residual holds ``weight * delta``).
+
+        With iid shards every member's waiting update is about the group's, so the
+        view is about where the agreed model goes once error feedback has sent it
+        all (the "virtual iterate" of EF analyses). Momentum and Adam then see
+        gradients of where the model is going, not of where it stood while their
+        update waited its turn in a 1% top-k, which made momentum overshoot."""
+        ef = self.reducer.ef
+        if not self.ahead or ef is None or not self.weight > 0:
+            return self.anchor.clone()
+        return self.anchor + ef.residual / self.weight
+
+    def _to_view(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook (`ahead`): the first forward with gradients after a sync
+        moves this member's parameters to its view; a forward without gradients
+        (evaluation) sees the agreed model, which every member holds alike."""
+        if self.start is None and torch.is_grad_enabled():
+            self.start = self.view()
+            set_flat_params(self.params, self.start)
 
     # -- guards -------------------------------------------------------------------
 
@@ -370,6 +411,7 @@ class DistributedOptimizer(WrappedOptimizer):
             "optimizer": copied(self.optimizer.state_dict()),
             "reducer": self.reducer.state_dict(),
             "anchor": self.anchor.clone(),
+            "start": None if self.start is None else self.start.clone(),
             "round": self.round,
             "local_step": self.local_step,
             "pending": None if pending is None else pending.clone(),
@@ -378,12 +420,15 @@ class DistributedOptimizer(WrappedOptimizer):
     def reset_anchor(self) -> None:
         """Take the current parameters as the synced model (after loading new ones)."""
         self.anchor = flat_params(self.params)
+        self.start = None
         self.local_step = 0
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.optimizer.load_state_dict(copied(state["optimizer"]))
         self.reducer.load_state_dict(state["reducer"])
         self.anchor = state["anchor"].clone()
+        start = state.get("start")
+        self.start = None if start is None else start.clone()
         self.round = int(state["round"])
         self.local_step = int(state["local_step"])
         self.drop_pending()
@@ -395,6 +440,8 @@ class DistributedOptimizer(WrappedOptimizer):
         and stop any communication thread."""
         if self.overlap is not None:
             self.overlap.close()
+        if self._view_hook is not None:
+            self._view_hook.remove()
         self._guard.remove()
         self.drop_pending()
 

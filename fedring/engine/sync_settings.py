@@ -32,7 +32,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from fedring.aggregation.rules import Aggregation
+
+AGREEMENTS = ("auto", "gradient", "update")
+Agreement = Literal["gradient", "update"]
+
+
+def plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """`torch.optim.SGD` without momentum in any group: the optimizer that stays on
+    the agreed gradient under compression (plain EF-SGD)."""
+    return isinstance(optimizer, torch.optim.SGD) and not any(
+        g.get("momentum", 0.0) for g in optimizer.param_groups
+    )
 
 
 @dataclass(frozen=True)
@@ -51,15 +64,63 @@ class SyncSettings:
     sample: float = 1.0  # star: members trained per round (`participation.sampled`)
     seed: int = 0  # with the round, picks the sample
     sit_out: str = "keep"  # the residual of a member back from sitting out (`SitOut`)
+    agree: str = "auto"  # sync: auto | gradient | update (see `agreement`)
 
     @property
     def rule(self) -> Aggregation:
         return Aggregation.parse(self.aggregation)
 
+    def agreement(
+        self, optimizer: torch.optim.Optimizer, compressed: bool, *, viewable: bool = True
+    ) -> Agreement:
+        """What a sync step agrees on (local mode always agrees on updates).
+
+        ``auto`` picks ``update`` where the reducer compresses with error feedback
+        (`compressed`), the wrapped optimizer is anything but plain SGD (momentum SGD,
+        Adam, AdamW, ...), the rule is ``mean`` or ``weighted``, nothing else needs
+        a gradient (bucket overlap, the delayed update, client sampling) and the
+        optimizer has a model to take to the member's view (`viewable`: ``model=``
+        given); ``gradient`` otherwise, so plain EF-SGD and every dense ring run as
+        before.
+        """
+        if self.agree != "auto" or self.mode == "local":
+            return "update" if self.mode == "local" else self.agree  # type: ignore[return-value]
+        plain = self.bucket_kb == 0 and self.update_delay == 0 and self.sample == 1.0
+        if compressed and viewable and plain and self.rule.kind in ("mean", "weighted"):
+            return "gradient" if plain_sgd(optimizer) else "update"
+        return "gradient"
+
+    def ahead(
+        self, optimizer: torch.optim.Optimizer, compressed: bool, *, viewable: bool = True
+    ) -> bool:
+        """Whether a member computes its gradients at its *view*: the agreed model
+        plus its own update still waiting in error feedback (`DistributedOptimizer.view`).
+        Sync mode: with the ``update`` agreement. Local mode: only with
+        ``agree="update"`` (``auto`` keeps local mode as it was)."""
+        if not viewable:
+            return False
+        if self.mode == "sync":
+            return self.agreement(optimizer, compressed, viewable=viewable) == "update"
+        return self.agree == "update"
+
     def check(self) -> None:
         """Raise `ValueError` for a combination no optimizer runs; a
         `DistributedOptimizer` calls it when it is built."""
         kind = self.rule.kind
+        if self.agree not in AGREEMENTS:
+            raise ValueError(f"agree={self.agree!r} must be one of {', '.join(AGREEMENTS)}")
+        if self.agree == "gradient" and self.mode == "local":
+            raise ValueError("agree='gradient' needs sync mode: local mode agrees on updates")
+        if self.agree == "update" and self.mode == "sync" and (
+            self.bucket_kb or self.update_delay or self.sample != 1.0
+            or kind not in ("mean", "weighted")
+        ):  # fmt: skip
+            raise ValueError(
+                "agree='update' needs aggregation mean or weighted, no bucket_kb, no "
+                f"update_delay and no client sampling, not aggregation={kind!r}, "
+                f"bucket_kb={self.bucket_kb}, update_delay={self.update_delay}, "
+                f"sample={self.sample}"
+            )
         if self.sample != 1.0 and (not self.star or kind in ("vote", "hybrid", "weighted")):
             raise ValueError(
                 f"client sampling (sample={self.sample}) needs a star and aggregation mean, "
