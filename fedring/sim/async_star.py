@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fedring import build
-from fedring.aggregation.rules import Aggregation, median, trimmed_mean
+from fedring.aggregation.rules import Aggregation, robust
 from fedring.collective.channel import PeerChannel
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
@@ -95,12 +95,7 @@ def simulate_async(
         buffer.append((delta.decompress(), 1.0 / (1.0 + staleness) ** spec.staleness_power))
         if len(buffer) >= spec.async_wait:
             stacked = torch.stack([d * w for d, w in buffer])
-            if agg.kind == "median":
-                update = median(stacked)
-            elif agg.kind == "trimmed":
-                update = trimmed_mean(stacked, agg.beta)
-            else:
-                update = stacked.mean(dim=0)
+            update = robust(stacked, agg) if agg.robust else stacked.mean(dim=0)
             model = model + update
             version += 1
             buffer.clear()

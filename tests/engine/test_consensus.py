@@ -24,6 +24,7 @@ from fedring.compression.support import (
     top_indices,
 )
 from fedring.config import JobSpec
+from fedring.engine.attack import Attack
 from fedring.engine.centre import STAR, CentreSettings, serve
 from fedring.engine.group import LOCAL_KEY, local_group
 from fedring.engine.participation import sampled
@@ -187,3 +188,16 @@ def test_the_robust_rules_stay_near_the_mean_at_one_percent(rule: str, mean_acc:
     got = simulate(SPEC.replace(aggregation=rule))
     assert got["identical_models"]
     assert got["final_accuracy"] > mean_acc - 0.03, (rule, mean_acc)
+
+
+@pytest.mark.parametrize("rule", ["mean", "median", "clip"])
+def test_one_attacker_of_four_breaks_the_mean_not_the_robust_rules(
+    rule: str, mean_acc: float
+) -> None:
+    """`engine.attack`'s scale:-10 (a sign flip ten times as large) from the last rank."""
+    got = simulate(SPEC.replace(aggregation=rule), attack=Attack.parse("scale:-10"), attackers=1)
+    assert got["attack"]["attack_updates"] == SPEC.rounds
+    if rule == "mean":
+        assert got["final_accuracy"] < 0.5
+    else:
+        assert got["final_accuracy"] > mean_acc - 0.03, (rule, mean_acc)
