@@ -374,13 +374,13 @@ def _check_sample(spec: JobSpec) -> None:
         return
     kind = Aggregation.parse(spec.aggregation).kind
     if spec.topology != "star" or spec.sync not in ("sync", "local") or kind not in (
-        "mean", "median", "trimmed"
+        "mean", "median", "trimmed", "clip"
     ):  # fmt: skip
         raise SpecError(
             f"field 'sample'={value!r} trains a sample of the agents each round, which needs "
             "a centre that sends every agent the result: topology='star', sync 'sync' or "
-            "'local' and aggregation mean, median or trimmed:B (the sample's updates count "
-            "alike), not "
+            "'local' and aggregation mean, median, trimmed:B or clip (the sample's updates "
+            "count alike), not "
             f"topology={spec.topology!r}, sync={spec.sync!r}, aggregation={spec.aggregation!r}"
         )
 

@@ -201,3 +201,10 @@ def test_one_attacker_of_four_breaks_the_mean_not_the_robust_rules(
         assert got["final_accuracy"] < 0.5
     else:
         assert got["final_accuracy"] > mean_acc - 0.03, (rule, mean_acc)
+
+
+def test_a_sampled_clip_star_runs_on_the_support_and_the_members_stay_identical() -> None:
+    spec = SPEC.replace(agents=6, rounds=40, aggregation="clip", sample=0.5)
+    got = simulate(spec)
+    assert got["identical_models"] and [row["trained"] for row in got["rows"]] == [3] * 40
+    assert got["final_accuracy"] > 0.7
