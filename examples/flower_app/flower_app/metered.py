@@ -63,8 +63,11 @@ plain_client = ClientApp()
 
 def train(msg: Message, context: Context) -> Message:
     """The app's train, with ``FEDRING_FLOWER_LOCAL_STEPS`` for its local steps."""
-    if "FEDRING_FLOWER_LOCAL_STEPS" in os.environ:
-        context.run_config["local-steps"] = int(os.environ["FEDRING_FLOWER_LOCAL_STEPS"])
+    if "FEDRING_FLOWER_LOCAL_STEPS" in os.environ:  # a node's run_config is read-only
+        run_config = {**context.run_config,
+                      "local-steps": int(os.environ["FEDRING_FLOWER_LOCAL_STEPS"])}  # fmt: skip
+        context = Context(context.run_id, context.node_id, context.node_config,
+                          context.state, run_config)  # fmt: skip
     return client_app.train(msg, context)
 
 
