@@ -88,7 +88,7 @@ REGIMES: dict[str, Regime] = {
         Regime("star", "star, 4 agents, 300 rounds: robust rules under density auto",
                {**SYNC, "topology": "star"},
                {"mean": {}, "median": {"aggregation": "median"},
-                "trimmed:0.25": {"aggregation": "trimmed:0.25"}}),
+                "trimmed:0.25": {"aggregation": "trimmed:0.25"}, "clip": {"aggregation": "clip"}}),
     )
 }  # fmt: skip
 
