@@ -47,7 +47,7 @@ def simulate_cmd(
         "(the choice and its reason are in the summary's density_auto). [auto]",
     ),
     saving: float | None = typer.Option(
-        None, help="density auto: at least this many times fewer bytes than dense. [5]"
+        None, help="density auto: at least this many times fewer bytes than dense. [3]"
     ),
     group_size: int | None = typer.Option(None, help="G, entries per group. [256]"),
     value_dtype: str | None = typer.Option(None, help="fp32 | fp16 | bf16 | int8. [fp16]"),

@@ -57,7 +57,7 @@ class JobSpec:
     error_feedback: bool = True  # off only to measure its effect
     density_warmup: int = 10  # rounds per DGC warm-up stage (25%, 6.25%, 1.56%, 0.4%); 0 = off
     density_flush: int = 0  # the last this many rounds send every entry (k = G); 0 = off
-    saving: float = 5.0  # density "auto": at least this many times fewer bytes than dense
+    saving: float = 3.0  # density "auto": at least this many times fewer bytes than dense
     density_auto: str = ""  # set by density "auto": what it chose and why
     policy: str = "bounded"  # sparse ring policy: bounded | exact
     topology: str = "auto"  # auto | ring | torus (2-D ring) | star (a centre: median, trimmed)

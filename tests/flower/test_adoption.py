@@ -85,8 +85,8 @@ def assert_compressed_and_learned(arrays: ArrayRecord, grid: MeteredGrid, rounds
     assert list(arrays) == ["w", "b", "steps"]
     assert arrays["steps"].dtype == "int64" and int(arrays["steps"].numpy()) == rounds
     assert np.abs(arrays["w"].numpy()).sum() > 0  # the floats moved
-    # density auto in a 2-round run: 22% of 2,080 floats, plus ~1.3 KB of records a reply
-    assert grid.totals()["uplink_bytes_per_client"] < DENSE_UP * rounds / 2.5
+    # density auto in a 2-round run: 37% of 2,080 floats, plus ~1.3 KB of records a reply
+    assert grid.totals()["uplink_bytes_per_client"] < DENSE_UP * rounds / 1.8
 
 
 # --- 12: the inner strategy's key, legacy messages ----------------------------------

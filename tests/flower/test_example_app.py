@@ -70,6 +70,6 @@ def test_the_adopting_app_runs_on_the_simulation_engine(tmp_path: Path) -> None:
     assert s["status"] == "completed" and s["rounds"] == rounds and s["clients"] == clients
     assert s["final_accuracy"] > 0.3  # the initial model scores ~0.07
     dense_up = PARAMS * 4 * rounds
-    # compressed replies: density auto sends 22% in a 3-round run (at least 4x fewer bytes)
-    assert 0 < s["uplink_bytes_per_client"] * 4 < dense_up
+    # compressed replies: density auto sends 37% in a 3-round run (at least 2.5x fewer bytes)
+    assert 0 < s["uplink_bytes_per_client"] * 2.5 < dense_up
     assert s["downlink_bytes_per_client"] > dense_up  # FedAvg still sends dense models down

@@ -30,7 +30,7 @@ def test_the_cli_says_what_auto_chose_and_takes_a_number_or_auto() -> None:
     got = runner.invoke(app, ["simulate", "--rounds", "3", "--eval-every", "3", "--json"])
     assert got.exit_code == 0, got.output
     codec = json.loads(got.stdout)["codec"]
-    assert codec["density"] == 0.2222 and "3 rounds trained a member" in codec["density_auto"]
+    assert codec["density"] == 0.3704 and "3 rounds trained a member" in codec["density_auto"]
     fixed = runner.invoke(app, ["simulate", "--rounds", "3", "--density", "0.05", "--json"])
     assert json.loads(fixed.stdout)["codec"] == {
         "compression": "group-topk", "density": 0.05, "density_warmup": 10,
