@@ -1,25 +1,44 @@
-"""Which `torch.optim` optimizer to wrap: SGD, SGD with momentum and AdamW, dense and compressed.
+"""Which `torch.optim` optimizer to wrap, and what the group agrees on: SGD, SGD with
+momentum and AdamW, dense and compressed, agreeing on the gradient or the update.
 
 One run, two built-in tasks (digits with the MLP, MNIST-1D with the paper's CNN),
-4 agents in-process, iid shards, sync mode, a fixed number of rounds. Each
-optimizer is wrapped by `DistributedOptimizer` over a dense fp32 ring and over
-group-top-k 1% + error feedback (the `ReducerSettings` defaults: G = 256, k = 3,
-fp16 values, bounded ring, no density warm-up). A DGC row moves the momentum into
-error feedback instead (`momentum_correction=0.9`, SGD momentum 0).
+4 agents in-process, iid shards, a fixed number of rounds. Each optimizer is
+wrapped by `DistributedOptimizer` over a dense fp32 ring and over group-top-k 1% +
+error feedback (the `ReducerSettings` defaults: G = 256, k = 3, fp16 values,
+bounded ring, no density warm-up), once per `SyncSettings.agree`:
+
+- dense: the gradient (what ``auto`` picks over a dense ring);
+- dense, agree=update: the update's dense twin (each member's own optimizer state,
+  no compression), for the optimizers ``auto`` gives the update;
+- top-k, agree=gradient: the agreed sparse gradient into the wrapped optimizer;
+- top-k, agree=update: each member's optimizer steps on its own gradient (taken at
+  its view) and the group agrees on the step's parameter delta (what ``auto``
+  picks for all but plain SGD).
+
+A DGC row moves the momentum into error feedback instead (`momentum_correction=0.9`,
+SGD momentum 0, on the gradient). ``--local-steps H`` runs local mode instead (H
+steps a round, rounds / H, as many steps): its top-k columns are ``auto`` (local
+mode as it was) and ``update`` (each member's steps start from its view).
 
 Every run starts from the same planned parameters and shards
 (`engine.plan.plan`/`prepare`) and trains through the engine's loop
 (`engine.loop.run`); rates follow `LinearScaling` (batch 32 per agent, reference
 batch 32, 50 warm-up steps): linear x4 for SGD, sqrt x2 for AdamW (the module's
-advice for Adam). The loop's divergence monitor rolls back and halves the rate
-when the held-out loss blows up (checked every `EVAL_EVERY` rounds); the table
-counts those rollbacks.
+advice for Adam). AdamW runs at base 3e-3 and 6e-3 (the better dense rate of
+1e-3, 3e-3, 6e-3 on MNIST-1D, and the linear x4 of 3e-3: under the update a
+member's Adam normalises by its own batch's moments and steps shorter). The loop's
+divergence monitor rolls back and halves the rate when the held-out loss blows up
+(checked every `EVAL_EVERY` rounds); the table counts those rollbacks.
 
 Bytes are wire bytes sent per agent, frame headers included
-(`groups[r].channel.endpoint.stats.bytes_sent`, mean over agents); the ratio is
-dense bytes / compressed bytes for the same optimizer and rounds.
+(`groups[r].channel.endpoint.stats.bytes_sent`, mean over agents, seed 0); the
+ratio is dense bytes / compressed (update) bytes for the same optimizer and rounds.
 
-    python bench/optimizers.py [--digits-rounds 300] [--mnist1d-rounds 600] [--seed 0]
+    python bench/optimizers.py [--seeds 0,1,2] [--tasks digits,mnist1d]
+        [--digits-rounds 300] [--mnist1d-rounds 600] [--local-steps 0]
+
+Measured (``--seeds 0,1,2``, mean of 3 seeds; 2-core machine, about 20 min): see
+`engine.sync_settings` for the table's figures.
 """
 
 from __future__ import annotations
@@ -77,11 +96,12 @@ def _adamw(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optim
 
 
 # Base rates: fedring's defaults for SGD (0.1 plain EF-SGD, 0.025 with momentum);
-# AdamW 3e-3, the best of 1e-3 and 3e-3 on both tasks, dense and compressed.
+# AdamW 3e-3 (the best of 1e-3 and 3e-3 before the update agreement) and 6e-3.
 RECIPES = (
     Recipe("SGD", _sgd(0.0), 0.1, "linear"),
     Recipe("SGD momentum 0.9", _sgd(0.9), 0.025, "linear"),
     Recipe("AdamW", _adamw, 3e-3, "sqrt"),
+    Recipe("AdamW", _adamw, 6e-3, "sqrt"),
     Recipe(
         "SGD, DGC momentum 0.9 in EF",
         _sgd(0.0),
@@ -103,16 +123,26 @@ class Outcome:
     identical: bool
 
 
-def member(p: Plan, rank: int, group: Group, recipe: Recipe, compressed: bool, seed: int) -> Member:
+@dataclass(frozen=True)
+class Way:
+    """How the group agrees: over which ring, on what, in which mode."""
+
+    compressed: bool
+    agree: str = "gradient"  # SyncSettings.agree
+    local_steps: int = 0  # 0: sync mode, else local mode with H = local_steps
+
+
+def member(p: Plan, rank: int, group: Group, recipe: Recipe, way: Way, seed: int) -> Member:
     """One agent: its verified shard, the planned start, `recipe`'s optimizer wrapped."""
     model, x, y = prepare(p.task, p.dataset, p.manifest, p.shards[rank], rank, seed=seed,
                           model_sha256=p.model_sha256, initial=p.initial)  # fmt: skip
     inner = recipe.make(model.parameters(), recipe.lr)
-    settings = ReducerSettings(compression="group-topk" if compressed else "none",
+    settings = ReducerSettings(compression="group-topk" if way.compressed else "none",
                                momentum_correction=recipe.momentum_correction)  # fmt: skip
     reducer = Reducer(group.collective, sum(q.numel() for q in model.parameters()), settings)
-    opt = DistributedOptimizer(inner, reducer, SyncSettings(mode="sync"), model=model,
-                               weight=p.weights[rank])  # fmt: skip
+    sync = (SyncSettings(mode="local", local_steps=way.local_steps, agree=way.agree)
+            if way.local_steps else SyncSettings(mode="sync", agree=way.agree))  # fmt: skip
+    opt = DistributedOptimizer(inner, reducer, sync, model=model, weight=p.weights[rank])
     scaling = LinearScaling(inner, world=AGENTS, batch_size=BATCH, ref_batch=BATCH,
                             warmup_steps=WARMUP, scaling=recipe.scaling)  # fmt: skip
     sampler = ShardSampler(len(x), batch_size=BATCH, seed=seed, rank=rank)
@@ -125,11 +155,11 @@ def member(p: Plan, rank: int, group: Group, recipe: Recipe, compressed: bool, s
                   lambda m: p.task.evaluate(m, p.dataset), scaling)  # fmt: skip
 
 
-def train(p: Plan, recipe: Recipe, compressed: bool, rounds: int, seed: int) -> Outcome:
+def train(p: Plan, recipe: Recipe, way: Way, rounds: int, seed: int) -> Outcome:
     """`AGENTS` agents on threads, taking turns on the in-process hub as the simulator does."""
     hub = InprocTransport(cooperative=True)
     groups = local_group(AGENTS, job="bench-optimizers", hub=hub)
-    members = [member(p, r, groups[r], recipe, compressed, seed) for r in range(AGENTS)]
+    members = [member(p, r, groups[r], recipe, way, seed) for r in range(AGENTS)]
     loop = LoopSettings(rounds=rounds, eval_every=EVAL_EVERY)
 
     def agent(rank: int) -> LoopResult:
@@ -150,44 +180,75 @@ def train(p: Plan, recipe: Recipe, compressed: bool, rounds: int, seed: int) -> 
                    results[0].rollbacks, len(hashes) == 1)  # fmt: skip
 
 
-def _cell(o: Outcome | None) -> tuple[str, str]:
-    if o is None:
-        return "—", "—"
-    flags = f" ({o.rollbacks} rollbacks)" if o.rollbacks else ""
-    if not o.identical:
-        flags += " (agents DIFFER)"
-    return f"{o.accuracy:.3f}{flags}", f"{o.bytes_per_agent / 1e6:.2f} MB"
+def _cell(runs: list[Outcome]) -> str:
+    """Mean accuracy over seeds, each seed's in brackets, and anything unusual."""
+    if not runs:
+        return "—"
+    mean = sum(o.accuracy for o in runs) / len(runs)
+    cell = f"{mean:.3f}"
+    if len(runs) > 1:
+        cell += f" ({', '.join(f'{o.accuracy:.3f}' for o in runs)})"
+    rollbacks = sum(o.rollbacks for o in runs)
+    if rollbacks:
+        cell += f" ({rollbacks} rollbacks)"
+    if not all(o.identical for o in runs):
+        cell += " (agents DIFFER)"
+    return cell
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--digits-rounds", type=int, default=300)
     parser.add_argument("--mnist1d-rounds", type=int, default=600)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated, e.g. 0,1,2")
+    parser.add_argument("--tasks", default="digits,mnist1d")
+    parser.add_argument("--local-steps", type=int, default=0,
+                        help="H: local mode, rounds / H (as many steps); 0: sync")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)  # four agent threads on a small machine
+    seeds = [int(s) for s in args.seeds.split(",")]
+    h = args.local_steps
     rounds = {"digits": args.digits_rounds, "mnist1d": args.mnist1d_rounds}
+    rounds = {k: v // max(1, h) for k, v in rounds.items()}
+    topk_way = "agree=gradient" if not h else "agree=auto (as before)"
     start = time.perf_counter()
-    print("| task | optimizer (base lr → peak) | dense acc | dense bytes/agent "
-          "| top-k 1% + EF acc | top-k bytes/agent | dense / top-k bytes |")  # fmt: skip
+    print(f"| task | optimizer (base lr → peak) | dense | dense, agree=update "
+          f"| top-k 1% + EF, {topk_way} | top-k 1% + EF, agree=update "
+          "| dense / top-k bytes |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for name, task in TASKS.items():
-        p = plan(task, agents=AGENTS, seed=args.seed)
+    for name in args.tasks.split(","):
+        p = {seed: plan(TASKS[name], agents=AGENTS, seed=seed) for seed in seeds}
         for recipe in RECIPES:
-            dense = train(p, recipe, False, rounds[name], args.seed) if recipe.dense else None
-            sparse = train(p, recipe, True, rounds[name], args.seed)
-            ratio = f"{dense.bytes_per_agent / sparse.bytes_per_agent:.1f}x" if dense else "—"
+            if h and not recipe.dense:
+                continue  # DGC runs the gradient: sync mode only
+            twin = not h and recipe.dense and recipe.name != "SGD"  # auto: the update
+            ways = {
+                "dense": Way(False, "auto", h) if recipe.dense else None,
+                # the update's dense twin: each member's own moments, no compression
+                "dense_update": Way(False, "update") if twin else None,
+                "topk": Way(True, "auto" if h else "gradient", h),
+                "update": Way(True, "update", h) if recipe.dense else None,
+            }
+            out = {k: [train(p[s], recipe, w, rounds[name], s) for s in seeds] if w else []
+                   for k, w in ways.items()}  # fmt: skip
+            dense, sparse = out["dense"], out["update"] or out["topk"]
+            ratio = (f"{dense[0].bytes_per_agent / sparse[0].bytes_per_agent:.1f}x "
+                     f"({dense[0].bytes_per_agent / 1e6:.2f} / "
+                     f"{sparse[0].bytes_per_agent / 1e6:.2f} MB)") if dense else "—"  # fmt: skip
             print(f"| {name} | {recipe.name} ({recipe.lr:g} → {recipe.peak_lr:g}) | "
-                  f"{' | '.join(_cell(dense))} | {' | '.join(_cell(sparse))} | {ratio} |",
+                  f"{_cell(dense)} | {_cell(out['dense_update'])} | {_cell(out['topk'])} | "
+                  f"{_cell(out['update'])} | {ratio} |",
                   flush=True)  # fmt: skip
     wall = time.perf_counter() - start
-    print(f"\n{AGENTS} agents in-process, iid shards, sync mode, seed {args.seed}; rounds: "
-          f"digits {rounds['digits']} (MLP), mnist1d {rounds['mnist1d']} (CNN); batch {BATCH} "
-          f"per agent; base lr for one agent at batch {BATCH}, scaled x{AGENTS} (SGD, linear) or "
-          f"x{AGENTS**0.5:g} (AdamW, sqrt) over {WARMUP} warm-up steps. top-k: group-top-k "
-          "G=256 k=3, fp16 values, error feedback. Accuracy: held-out, after the last round "
-          "(all agents identical unless marked). Bytes: wire bytes sent per agent incl. frame "
-          f"headers (endpoint.stats.bytes_sent). Wall {wall:.0f} s.")  # fmt: skip
+    mode = f"local mode H={h}" if h else "sync mode"
+    print(f"\n{AGENTS} agents in-process, iid shards, {mode}, seeds {args.seeds} (mean, then "
+          f"each seed); rounds: digits {rounds['digits']} (MLP), mnist1d {rounds['mnist1d']} "
+          f"(CNN); batch {BATCH} per agent; base lr for one agent at batch {BATCH}, scaled "
+          f"x{AGENTS} (SGD, linear) or x{AGENTS**0.5:g} (AdamW, sqrt) over {WARMUP} warm-up "
+          "steps. top-k: group-top-k G=256 k=3, fp16 values, error feedback. Accuracy: "
+          "held-out, after the last round (all agents identical unless marked). Bytes: wire "
+          "bytes sent per agent incl. frame headers (endpoint.stats.bytes_sent), seed "
+          f"{seeds[0]}, dense / agree=update. Wall {wall:.0f} s.")  # fmt: skip
 
 
 if __name__ == "__main__":
