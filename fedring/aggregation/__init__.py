@@ -2,6 +2,7 @@
 
 from fedring.aggregation.rules import (
     Aggregation,
+    aligned,
     capped_weights,
     centred_clip,
     hybrid,
@@ -15,6 +16,7 @@ from fedring.aggregation.rules import (
 
 __all__ = [
     "Aggregation",
+    "aligned",
     "capped_weights",
     "centred_clip",
     "hybrid",

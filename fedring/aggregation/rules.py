@@ -162,7 +162,8 @@ def centred_clip(
     that needs no state: a star's consensus support changes every round, so the
     previous aggregate says little about this round's coordinates). ``tau = 0``
     takes the median of the distances ``||x_i - v||`` at every iteration, so at
-    most half the updates are clipped and an outlier moves v by at most ``tau / N``.
+    least half the updates are not clipped and an outlier moves v by at most
+    ``tau / N`` an iteration.
 
         >>> u = torch.tensor([[1., 0.], [1., 0.], [1., 0.], [-100., 0.]])
         >>> centred_clip(u).tolist()
@@ -180,14 +181,39 @@ def centred_clip(
     return v
 
 
+def aligned(updates: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """The rows of `updates` that point the way `reference` does (cosine > 0), and
+    never fewer than half of them (those most aligned): the rest are dropped.
+
+    A coordinate-wise rule sees one coordinate at a time, where an honest update's
+    signal is small beside its noise, so a sign-flipped update hides among them;
+    over the whole vector the signal adds up, and a flipped update points away
+    from the median of all. At most half are dropped (an honest majority is the
+    rules' premise), so with no attacker the noisiest honest ones may be.
+
+        >>> u = torch.tensor([[1., 1.], [2., 1.], [1., 2.], [-3., -3.]])
+        >>> aligned(u, median(u)).tolist()
+        [[1.0, 1.0], [2.0, 1.0], [1.0, 2.0]]
+    """
+    n = updates.shape[0]
+    norms = torch.linalg.vector_norm(updates, dim=1) * torch.linalg.vector_norm(reference)
+    cos = (updates @ reference) / torch.clamp(norms, min=1e-30)
+    keep = cos > 0
+    if int(keep.sum()) < (n + 1) // 2:
+        keep = torch.zeros(n, dtype=torch.bool)
+        keep[torch.topk(cos, (n + 1) // 2).indices] = True
+    return updates[keep]
+
+
 def robust(updates: torch.Tensor, rule: Aggregation) -> torch.Tensor:
     """The robust `rule` (median, trimmed or clip) over stacked updates ``[N, D]``."""
     if rule.kind == "median":
         return median(updates)
     if rule.kind == "trimmed":
         return trimmed_mean(updates, rule.beta)
-    if rule.kind == "clip":
-        return centred_clip(updates, rule.tau)
+    if rule.kind == "clip":  # from the median, over the updates aligned with it
+        centre = median(updates)
+        return centred_clip(aligned(updates, centre), rule.tau, centre=centre)
     raise ValueError(f"aggregation {rule.kind!r} is not a robust rule")
 
 

@@ -7,6 +7,7 @@ import torch
 
 from fedring.aggregation import (
     Aggregation,
+    aligned,
     capped_weights,
     centred_clip,
     hybrid,
@@ -110,3 +111,18 @@ def test_centred_clipping_bounds_an_outlier_and_adapts_its_radius() -> None:
     assert robust(U, Aggregation.parse("median")).tolist() == median(U).tolist()
     with pytest.raises(ValueError, match="not a robust rule"):
         robust(U, Aggregation.parse("mean"))
+
+
+def test_aligned_drops_updates_pointing_away_but_never_more_than_half() -> None:
+    honest = torch.tensor([[1.0, 0.5, 0.2], [0.8, 0.7, -0.1], [1.2, 0.3, 0.1]])
+    flipped = -3.0 * honest[:1]
+    x = torch.cat([honest, flipped])
+    assert torch.equal(aligned(x, median(x)), honest)
+    # most point away from the reference: the half most aligned stays
+    ref = torch.tensor([1.0, 0.0, 0.0])
+    away = torch.tensor([[-1.0, 0, 0], [-2.0, 0, 0], [-0.5, 1, 0], [1.0, 0, 0]])
+    assert aligned(away, ref).tolist() == [[-0.5, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    # the clip rule aligns first: a flipped update ten times as large leaves no trace
+    got = robust(torch.cat([honest, 10 * flipped]), Aggregation.parse("clip"))
+    assert torch.allclose(got, centred_clip(honest, centre=median(torch.cat([honest,
+                                                                 10 * flipped]))))  # fmt: skip
