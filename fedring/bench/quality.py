@@ -85,6 +85,13 @@ REGIMES: dict[str, Regime] = {
                {**SYNC, "dataset": "mnist1d", "model": "cnn", "rounds": 600}, STANDARD),
         Regime("dirichlet-8", "sync SGD, non-iid Dirichlet 0.3, 8 agents, 300 rounds",
                {**SYNC, "agents": 8, "sharding": "dirichlet:0.3"}, STANDARD),
+        *(Regime(f"sync-{opt}-{task}", f"sync, {name}, {title}, 4 agents, library API",
+                 {"task": task, "recipe": recipe, "rounds": rounds}, {"auto": {"compressed": True}},
+                 runner="library", dense={"compressed": False})
+          for task, title, rounds in (("digits", "digits MLP, 300 rounds", 300),
+                                      ("mnist1d", "MNIST-1D CNN, 600 rounds", 600))
+          for opt, name, recipe in (("momentum", "momentum SGD 0.9", ("SGD momentum 0.9", 0.025)),
+                                    ("adamw", "AdamW 6e-3", ("AdamW", 6e-3)))),
         Regime("star", "star, 4 agents, 300 rounds: robust rules under density auto",
                {**SYNC, "topology": "star"},
                {"mean": {}, "median": {"aggregation": "median"},
@@ -129,7 +136,33 @@ def flower_cell(fields: dict[str, Any], seed: int) -> dict[str, float]:
             "wall_s": s["wall_seconds"]}  # fmt: skip
 
 
-RUNNERS: dict[str, Run] = {"simulate": simulate_cell, "flower": flower_cell}
+def library_cell(fields: dict[str, Any], seed: int) -> dict[str, float]:
+    """A user's own loop over the public API with a `torch.optim` optimizer wrapped by
+    `DistributedOptimizer` (bench/optimizers.py's agents), 4 agents, sync mode; the
+    reducer's density is auto for the rounds when compressed (the update agreement
+    for all but plain SGD, `SyncSettings.agree` auto)."""
+    import runpy
+    from functools import partial
+
+    from fedring.engine.plan import plan
+    from fedring.engine.reducer import ReducerSettings
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "bench" / "optimizers.py"))
+    recipe = next(r for r in bench["RECIPES"] if (r.name, r.lr) == tuple(fields["recipe"]))
+    rounds = int(fields["rounds"])
+    bench["member"].__globals__["ReducerSettings"] = partial(
+        ReducerSettings, density="auto", rounds=rounds
+    )
+    task = bench["TASKS"][fields["task"]]
+    p = plan(task, agents=bench["AGENTS"], seed=seed)
+    way = bench["Way"](compressed=bool(fields["compressed"]), agree="auto")
+    got = bench["train"](p, recipe, way, rounds, seed)
+    return {"accuracy": got.accuracy, "uplink_bytes": got.bytes_per_agent, "wall_s": 0.0}
+
+
+RUNNERS: dict[str, Run] = {
+    "simulate": simulate_cell, "flower": flower_cell, "library": library_cell,
+}  # fmt: skip
 
 
 class Results:
