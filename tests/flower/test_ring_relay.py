@@ -83,7 +83,7 @@ def test_training_over_the_relayed_ring(tmp_path: Path) -> None:
     and move only ring chunks both ways (no dense model comes down after enrolment)."""
     exe = Path(sys.executable).with_name("fedring")
     job = tmp_path / "job.toml"  # 1% from the first round: no DGC warm-up at 25% (as in-process)
-    job.write_text("[job]\ndensity_warmup = 0\n")
+    job.write_text("[job]\ndensity = 0.01\ndensity_warmup = 0\n")  # a fixed density: not auto
     args = ["flower", "simulate", "--config", str(job), "--topology", "ring", "--clients", "2",
             "--rounds", "2", "--eval-every", "1", "--cpus", "2", "--timeout", "240",
             "--json"]  # fmt: skip

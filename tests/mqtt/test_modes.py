@@ -23,6 +23,9 @@ def test_ring_mode_matches_simulate(
     assert summary["identical_models"] and summary["reformations"] == 0
     assert summary["rounds"] == local["rounds"] == 40
     assert summary["model_hashes"] == local["model_hashes"]
+    # density auto, resolved by the coordinator: 40 rounds of 4 local steps, closing flush
+    assert summary["codec"] == local["codec"]
+    assert summary["codec"]["density"] == 0.0375 and summary["codec"]["density_flush"] == 1
 
 
 @pytest.mark.parametrize("topology", ["ring", "star"])
