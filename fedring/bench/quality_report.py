@@ -53,6 +53,8 @@ def cells(rows: Sequence[Row], table: str) -> list[Cell]:
     for r in rows:
         if r["table"] == table and (r["regime"], r["method"]) not in keys:
             keys.append((r["regime"], r["method"]))
+    regimes = list(dict.fromkeys(regime for regime, _ in keys))  # grouped, in order first run
+    keys.sort(key=lambda k: regimes.index(k[0]))
     out = []
     for regime, method in keys:
         got = [r for r in rows if r["table"] == table and (r["regime"], r["method"]) == (
@@ -77,16 +79,18 @@ def markdown(rows: Sequence[Row]) -> str:
         got = cells(rows, table)
         if not got:
             continue
-        vs = "vs attack-free mean" if table == "attack" else "vs dense"
+        attack = table == "attack"
+        vs = "vs attack-free mean" if attack else "vs dense"
+        tail = "" if attack else " x fewer | goal |"
         parts += [f"## {head}", "",
-                  f"| regime | method | seeds | accuracy (min-max) | {vs} | uplink B/agent "
-                  "| x fewer | goal |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  f"| regime | method | seeds | accuracy (min-max) | {vs} | uplink B/agent |"
+                  + tail, "|---|---|---|---|---|---|" + ("" if attack else "---|---|")]  # fmt: skip
         for c in got:
             goal = c.goal if table == "main" and c.method != "dense" else ""
             parts.append(
                 f"| {c.title} | {c.method} | {c.seeds} | {c.accuracy:.4f} ({c.low:.4f}-"
-                f"{c.high:.4f}) | {c.gap_pp:+.2f} pp | {c.uplink_bytes:,.0f} | "
-                f"{c.saving:.1f} | {goal} |"
+                f"{c.high:.4f}) | {c.gap_pp:+.2f} pp | {c.uplink_bytes:,.0f} |"
+                + ("" if attack else f" {c.saving:.1f} | {goal} |")
             )
         parts.append("")
     return "\n".join(parts)
