@@ -72,7 +72,7 @@ def simulate_cmd(
         None, help="H, local steps per round (local/adaptive/async). [4]"
     ),
     aggregation: str | None = typer.Option(
-        None, help="mean | weighted | vote | hybrid:L[-L2] | median | trimmed:B."
+        None, help="mean | weighted | vote | hybrid:L[-L2] | median | trimmed:B | clip[:TAU]."
     ),
     sample: float | None = typer.Option(
         None,

@@ -67,7 +67,7 @@ class JobSpec:
     collective: str = "ring"
     sync: str = "sync"  # sync | local | adaptive | async
     local_steps: int = 4  # H: local steps between syncs (local, adaptive, async)
-    aggregation: str = "mean"  # mean | weighted | vote | hybrid:L[-L2] | median | trimmed:B
+    aggregation: str = "mean"  # mean | weighted | vote | hybrid:L[-L2] | median | trimmed:B | clip
     weight_cap: float = 2.0  # weighted: no agent above cap x its equal share
     async_wait: int = 1  # async soft sync: apply after this many updates (1 = plain async)
     staleness_power: float = 0.5  # async weight 1 / (1 + staleness) ** power

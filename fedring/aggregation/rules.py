@@ -13,9 +13,9 @@ with a robust rule and group-top-k runs the consensus support of
 `engine.centre` (members send their values on the support the centre announced;
 without it a coordinate-wise median of different supports is mostly zeros).
 
-Measured (digits MLP, 4 agents, star, 300 rounds, seed 0; ``simulate(JobSpec(
-agents=4, dataset="digits", topology="star", rounds=300, density=D,
-aggregation=A))["final_accuracy"]``): see `engine.centre` for the table.
+At 1% on digits (4 agents, star, 300 rounds, 3 seeds) the median and trimmed:0.25
+end 0.9 pp and clip 0.2 pp below the mean (the median was 10 pp below before the
+consensus support); under attack see `engine.centre`, which has the commands.
 
     >>> u = torch.tensor([[1., -2.], [3., 0.], [100., 1.]])
     >>> median(u).tolist(), sign_vote(u).tolist()

@@ -10,10 +10,63 @@ gets the result, so one that sat out holds the same model.
 
 - ``mean``, ``weighted`` and ``hybrid``: members send ``weight * update`` (their
   manifest weight, 1/N for the mean), the centre sums;
-- ``median`` and ``trimmed:B``: members send the update unscaled; the centre takes
-  the coordinate-wise median or B-trimmed mean, which need all N in one place
-  (a ring never has them);
+- ``median``, ``trimmed:B`` and ``clip[:TAU]`` (centred clipping): members send
+  the update unscaled; the centre takes the coordinate-wise median, the B-trimmed
+  mean or the centred-clipped mean, which need all N in one place (a ring never
+  has them);
 - the sign vote stays on the ring (it is already a majority of 1-bit uplinks).
+
+A robust rule over group-top-k runs on a consensus support (`CentreSettings.
+consensus`, set by `build` for median, trimmed and clip with group-top-k; the
+members' `ReducerSettings.consensus` likewise): with each member's own top-k the
+supports barely overlap and a coordinate-wise median of them is mostly zeros (the
+median ended 10 pp below the mean at 1%). Each round, per sampled member:
+
+1. ``vote`` up: the top-k indices of its error-compensated update (`GroupIndices`,
+   one byte an index);
+2. ``support`` down: the k most voted entries of every group, the same for all
+   (ties drawn from the job's seed and the round: a count, so an attacker's
+   magnitudes cannot choose them);
+3. ``up``: its values on the support, in the support's order (no indices: two
+   bytes a value in fp16); error feedback subtracts exactly those, the rest stays
+   in its residual;
+4. ``down`` to every member: the rule over the stacked ``[N, n*k]`` values,
+   scattered on the support.
+
+Bytes up are those of group-top-k (one index and one value an entry) plus a frame;
+the price is a second round trip per round. The centre keeps nothing between
+rounds, so a coordinator that resumes at round r picks the support the members'
+residuals vote for, as an uninterrupted run would (same hashes).
+
+Measured: digits MLP, star, 300 rounds, final accuracy,
+``simulate(JobSpec(agents=N, dataset="digits", topology="star", rounds=300,
+density=0.01, aggregation=A, seed=S))`` (``compression="none"`` for dense);
+attacked runs add ``attack=Attack.parse(K), attackers=F`` (`engine.attack`, the
+last F ranks). Uplink bytes per agent: 351 kB for the mean's own top-k, 368 kB
+on the consensus support (the vote frame), 20.7 MB dense. Before the support the
+median ended at 0.877 and trimmed:0.25 at 0.847 at 1% (seed 0, mean 0.975).
+
+Mean / median / trimmed:0.25 / clip:
+
+- 4 agents, no attack, mean of seeds 0-2: 1% 0.973 / 0.964 / 0.964 / 0.971;
+  dense 0.969 / 0.966 / 0.966 / 0.973.
+
+Under attack, seed 0, 1%; attack-free mean 0.975 (4 agents), 0.978 (10 agents):
+
+- 1 of 4: sign-flip 0.883 / 0.978 / 0.978 / 0.958; scale:-10 0.111 / 0.972 /
+  0.972 / 0.972; noise 0.964 / 0.975 / 0.975 / 0.975; label-flip 0.928 / 0.969 /
+  0.969 / 0.967.
+- 10 agents: none 0.978 / 0.967 / 0.961 / 0.981; 2 of 10 sign-flip 0.914 /
+  0.936 / 0.955 / 0.958; scale:-10 0.109 / 0.953 / 0.950 / 0.961; noise 0.816 /
+  0.967 / 0.969 / 0.975; label-flip 0.908 / 0.969 / 0.975 / 0.983.
+
+Every robust rule ends within 2 pp of the attack-free mean with 1 of 4
+attacking; with 2 of 10, clip does under every attack, while median and trimmed
+end 2.2 to 4.2 pp below under sign-flip and scale:-10 (a coordinate-wise rule
+sees one coordinate at a time, where a flipped update hides in the honest
+updates' noise; clip drops the updates pointing away from the median over the
+whole vector, `aggregation.rules.aligned`). One seed moves a final accuracy by
+about 1 pp (359 test images).
 
 The reply is dense (a median of sparse vectors is not sparse) in `down_dtype`,
 fp16 by default. `fedring simulate` runs the centre on a thread over the
