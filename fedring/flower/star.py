@@ -2,7 +2,7 @@
 
 The ServerApp holds the one global model. Each round it collects the nodes'
 compressed updates, combines them with the job's rule (`mean`, `weighted` by the
-manifest's shard sizes, `vote` = signSGD majority, `median`, `trimmed`), and moves
+manifest's shard sizes, `vote` = signSGD majority, `median`, `trimmed`, `clip`), and moves
 the global model: `sync` takes an SGD step with the scaled learning rate (plain
 EF-SGD when the gradients are compressed, momentum SGD when dense), `local` adds
 the combined delta. The move is sent back as a delta: dense fp32, or group-top-k
@@ -21,9 +21,8 @@ from fedring import build
 from fedring.aggregation.rules import (
     Aggregation,
     capped_weights,
-    median,
+    robust,
     sign_vote,
-    trimmed_mean,
     weighted,
 )
 from fedring.compression.error_feedback import ErrorFeedback
@@ -46,10 +45,8 @@ def combine(agg: Aggregation, updates: Mapping[int, torch.Tensor], sizes: Mappin
         return weighted(stacked, w)
     if agg.kind == "vote":
         return sign_vote(stacked)
-    if agg.kind == "median":
-        return median(stacked)
-    if agg.kind == "trimmed":
-        return trimmed_mean(stacked, agg.beta)
+    if agg.robust:  # median, trimmed, clip (on each node's own top-k: no consensus support)
+        return robust(stacked, agg)
     return stacked.mean(dim=0)
 
 

@@ -208,3 +208,17 @@ def test_run_config_of_flwr_run_is_checked_by_field() -> None:
         job_from_run_config({"rounds": "many"})
     with pytest.raises(SpecError, match="unknown field 'epochs'"):
         job_from_run_config({"epochs": 3})
+
+
+def test_the_servers_robust_rules_resist_an_outlier_clip_included() -> None:
+    """`clip` is a robust rule at Flower's ServerApp too, not the mean it fell back to."""
+    from fedring.aggregation.rules import Aggregation
+    from fedring.flower.star import combine
+
+    ups = {0: torch.tensor([1.0, 2.0]), 1: torch.tensor([3.0, 4.0]),
+           2: torch.tensor([100.0, -50.0])}  # fmt: skip
+    sizes = dict.fromkeys(ups, 1)
+    mean = combine(Aggregation.parse("mean"), ups, sizes, 2.0)
+    for rule in ("median", "trimmed:0.34", "clip"):
+        got = combine(Aggregation.parse(rule), ups, sizes, 2.0)
+        assert float(got.abs().max()) < 5.0 < float(mean.abs().max()), rule
