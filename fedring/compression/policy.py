@@ -16,10 +16,11 @@ rounds: the job's rounds x the fraction sampled), within a byte budget:
   density;
 - a closing flush in local mode (``sync = "local"``, the Flower mod's updates), where
   every member trains every round and the budget holds a dense round beside the
-  sparse ones (from about 5 rounds at the default 3x): the last round sends every entry (k = G), so what error feedback still
-  holds reaches the model. There the residual holds parameter deltas, already scaled by the rate
-  they were computed at. Not in sync mode: there it holds gradients, and a flush
-  applies today's rate to all of them at once (measured 1 to 10 pp worse).
+  sparse ones (from about 5 rounds at the default 3x): the last round sends every
+  entry (k = G), so what error feedback still holds reaches the model. There the
+  residual holds parameter deltas, already scaled by the rate they were computed
+  at. Not in sync mode: there it holds gradients, and a flush applies today's rate
+  to all of them at once (measured 1 to 10 pp worse).
 
 Measured by ``fedring bench quality`` (docs/quality.md); the figures behind the
 constants, digits MLP, 4 agents, one seed:

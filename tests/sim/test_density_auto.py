@@ -18,7 +18,8 @@ def test_auto_holds_accuracy_where_one_percent_loses_it_and_sends_10x_fewer_byte
     dense = simulate(JobSpec.from_mapping({**SHORT, "compression": "none"}))
     auto = simulate(JobSpec.from_mapping(SHORT))
     fixed = simulate(JobSpec.from_mapping({**SHORT, "density": 0.01}))
-    # measured (AMD EPYC, seed 0): dense 0.549, auto 0.540-0.549 in 13.1x fewer bytes, 1% 0.354-0.379
+    # measured (AMD EPYC, seed 0): dense 0.549, auto 0.540-0.549 at 13.1x fewer bytes,
+    # 1% 0.354-0.379
     assert auto["final_accuracy"] >= dense["final_accuracy"] - 0.015
     assert auto["final_accuracy"] >= fixed["final_accuracy"] + 0.10
     assert auto["bytes_sent_per_agent"] * 10 <= dense["bytes_sent_per_agent"]  # 13x
