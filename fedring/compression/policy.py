@@ -22,7 +22,7 @@ rounds: the job's rounds x the fraction sampled), within a byte budget:
   at. Not in sync mode: there it holds gradients, and a flush applies today's rate
   to all of them at once (measured 1 to 10 pp worse).
 
-Measured by ``fedring bench quality`` (docs/quality.md); the figures behind the
+Measured by ``fedring bench quality`` (docs/concepts/quality.md); the figures behind the
 constants, digits MLP, 4 agents, one seed:
 
     sync SGD, 300 rounds:    1% -> 0.9805 (dense 0.9777); final flush 0.9749

@@ -41,7 +41,9 @@ class _Link:
 
 def _started(hub: InprocTransport, names: list[str]) -> StarCentre:
     centre = StarCentre(_Link(hub), JOB, KEY, Counters())  # type: ignore[arg-type]
-    spec = JobSpec(agents=len(names), topology="star", aggregation="median", rounds=3)
+    # dense uplinks: a median over group-top-k would first wait for the members' votes
+    spec = JobSpec(agents=len(names), topology="star", aggregation="median", rounds=3,
+                   compression="none")  # fmt: skip
     centre.start(spec, 0, names, 0, torch.zeros(D))
     return centre
 

@@ -67,7 +67,8 @@ def test_importing_the_package_does_not_load_matplotlib() -> None:
 
 def test_simulate_out_writes_report_plots_and_onnx_beside_dense(tmp_path: Path) -> None:
     args = ["simulate", "--agents", "2", "--rounds", "20", "--eval-every", "10", "--fleet",
-            "rpi4:2", "--with-dense", "--out", str(tmp_path), "--json"]  # fmt: skip
+            "rpi4:2", "--with-dense", "--density", "0.01", "--out", str(tmp_path),
+            "--json"]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     s = json.loads(result.stdout)
