@@ -63,8 +63,10 @@ Under attack, seed 0, 1%; attack-free mean 0.975 (4 agents), 0.978 (10 agents):
 - 2 of 10, mean of seeds 0-2 (attack-free mean 0.973): sign-flip - / 0.941 /
   0.942 / 0.954; scale:-10 - / 0.939 / 0.946 / 0.955.
 
-Every robust rule ends within 2 pp of the attack-free mean with 1 of 4
-attacking; with 2 of 10, clip does under every attack (by a hair under sign-flip
+On seed 0 every robust rule ends within 2 pp of the attack-free mean with 1 of 4
+attacking; over seeds 0-2 (`fedring bench quality --attacks`, docs/concepts/quality.md)
+median and trimmed end 2.1 pp below under scale:-10 and clip 2.7 pp below under a
+sign flip. With 2 of 10, clip does under every attack (by a hair under sign-flip
 and scale:-10 over 3 seeds: 1.9 and 1.8 pp), while median and trimmed end 2.7 to
 3.4 pp below under sign-flip and scale:-10 (a coordinate-wise rule
 sees one coordinate at a time, where a flipped update hides in the honest
