@@ -130,15 +130,18 @@ class Way:
     compressed: bool
     agree: str = "gradient"  # SyncSettings.agree
     local_steps: int = 0  # 0: sync mode, else local mode with H = local_steps
+    density: float | str = 0.01  # compressed: a fixed density, or "auto" for the rounds
 
 
-def member(p: Plan, rank: int, group: Group, recipe: Recipe, way: Way, seed: int) -> Member:
+def member(p: Plan, rank: int, group: Group, recipe: Recipe, way: Way, seed: int,
+           rounds: int) -> Member:  # fmt: skip
     """One agent: its verified shard, the planned start, `recipe`'s optimizer wrapped."""
     model, x, y = prepare(p.task, p.dataset, p.manifest, p.shards[rank], rank, seed=seed,
                           model_sha256=p.model_sha256, initial=p.initial)  # fmt: skip
     inner = recipe.make(model.parameters(), recipe.lr)
     settings = ReducerSettings(compression="group-topk" if way.compressed else "none",
-                               momentum_correction=recipe.momentum_correction)  # fmt: skip
+                               momentum_correction=recipe.momentum_correction,
+                               density=way.density, rounds=rounds)  # fmt: skip
     reducer = Reducer(group.collective, sum(q.numel() for q in model.parameters()), settings)
     sync = (SyncSettings(mode="local", local_steps=way.local_steps, agree=way.agree)
             if way.local_steps else SyncSettings(mode="sync", agree=way.agree))  # fmt: skip
@@ -159,7 +162,7 @@ def train(p: Plan, recipe: Recipe, way: Way, rounds: int, seed: int) -> Outcome:
     """`AGENTS` agents on threads, taking turns on the in-process hub as the simulator does."""
     hub = InprocTransport(cooperative=True)
     groups = local_group(AGENTS, job="bench-optimizers", hub=hub)
-    members = [member(p, r, groups[r], recipe, way, seed) for r in range(AGENTS)]
+    members = [member(p, r, groups[r], recipe, way, seed, rounds) for r in range(AGENTS)]
     loop = LoopSettings(rounds=rounds, eval_every=EVAL_EVERY)
 
     def agent(rank: int) -> LoopResult:

@@ -316,8 +316,7 @@ def _choose_density(spec: JobSpec) -> None:
         else 1,
         participation=per_round(spec.agents, sample) / spec.agents if valid else 1.0,
     )  # fmt: skip
-    for name, value in (("density", plan.density), ("density_warmup", plan.warmup),
-                        ("density_flush", plan.flush), ("density_auto", plan.reason)):  # fmt: skip
+    for name, value in plan.fields().items():
         object.__setattr__(spec, name, value)
 
 

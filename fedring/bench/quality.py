@@ -142,20 +142,15 @@ def library_cell(fields: dict[str, Any], seed: int) -> dict[str, float]:
     reducer's density is auto for the rounds when compressed (the update agreement
     for all but plain SGD, `SyncSettings.agree` auto)."""
     import runpy
-    from functools import partial
 
     from fedring.engine.plan import plan
-    from fedring.engine.reducer import ReducerSettings
 
     bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "bench" / "optimizers.py"))
     recipe = next(r for r in bench["RECIPES"] if (r.name, r.lr) == tuple(fields["recipe"]))
     rounds = int(fields["rounds"])
-    bench["member"].__globals__["ReducerSettings"] = partial(
-        ReducerSettings, density="auto", rounds=rounds
-    )
     task = bench["TASKS"][fields["task"]]
     p = plan(task, agents=bench["AGENTS"], seed=seed)
-    way = bench["Way"](compressed=bool(fields["compressed"]), agree="auto")
+    way = bench["Way"](compressed=bool(fields["compressed"]), agree="auto", density="auto")
     got = bench["train"](p, recipe, way, rounds, seed)
     return {"accuracy": got.accuracy, "uplink_bytes": got.bytes_per_agent, "wall_s": 0.0}
 

@@ -66,9 +66,11 @@ class DensityPlan:
     flush: int  # closing rounds at k = G
     reason: str
 
-    def as_dict(self) -> dict[str, object]:
-        return {"density": self.density, "warmup": self.warmup, "flush": self.flush,
-                "reason": self.reason}  # fmt: skip
+    def fields(self) -> dict[str, object]:
+        """The plan under the names of the settings it fills, as `JobSpec` and
+        `ReducerSettings` both call them."""
+        return {"density": self.density, "density_warmup": self.warmup,
+                "density_flush": self.flush, "density_auto": self.reason}  # fmt: skip
 
 
 def cap_for(saving: float) -> float:

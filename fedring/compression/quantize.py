@@ -30,6 +30,7 @@ from fedring.compression.payload import (
     meta_range,
     no_extra,
 )
+from fedring.compression.sparse import pad_rows
 from fedring.compression.values import (
     ValueDtype,
     check_value_dtype,
@@ -104,7 +105,7 @@ class Int8Groups:
 
     def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
         n = self.q.numel()
-        rows = _pad_rows(self.q.to(torch.float32), self.group_size) * self.scales[:, None]
+        rows = pad_rows(self.q.to(torch.float32), self.group_size) * self.scales[:, None]
         out[self.start : self.start + n].add_(rows.reshape(-1)[:n], alpha=alpha)
 
     def decompress(self) -> torch.Tensor:
@@ -165,7 +166,7 @@ class SignBits:
     def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
         vals = self.signs().to(torch.float32)
         if self.scales is not None:
-            vals = (_pad_rows(vals, self.group_size) * self.scales[:, None]).reshape(-1)[
+            vals = (pad_rows(vals, self.group_size) * self.scales[:, None]).reshape(-1)[
                 : self.length
             ]
         out[self.start : self.start + self.length].add_(vals, alpha=alpha)
@@ -211,13 +212,6 @@ class SignBits:
         return cls(numel, start, s.size, 1, np.packbits(s > 0), None, np.packbits(s != 0))
 
 
-def _pad_rows(x: torch.Tensor, g: int) -> torch.Tensor:
-    rows = -(-x.numel() // g)
-    if rows * g != x.numel():
-        x = torch.cat([x, x.new_zeros(rows * g - x.numel())])
-    return x.view(rows, g)
-
-
 @dataclass(frozen=True)
 class DenseCodec:
     """No sparsification; values sent as fp32 (the baseline), fp16 or bf16."""
@@ -242,7 +236,7 @@ class Int8Quantizer:
     group_size: int = 256
 
     def compress(self, x: torch.Tensor) -> Int8Groups:
-        q, scales = encode_values(_pad_rows(x.reshape(-1), self.group_size), "int8")
+        q, scales = encode_values(pad_rows(x.reshape(-1), self.group_size), "int8")
         if scales is None:  # encode_values always scales int8; this guards a refactor
             raise RuntimeError("int8 encoding returned no scales")
         return Int8Groups(x.numel(), 0, self.group_size, q.reshape(-1)[: x.numel()].clone(), scales)
@@ -258,7 +252,7 @@ class SignQuantizer:
     def compress(self, x: torch.Tensor) -> SignBits:
         flat = x.reshape(-1)
         # Pad with zeros for the mean, but divide by the real length of each group.
-        sums = _pad_rows(flat.abs(), self.group_size).sum(dim=1)
+        sums = pad_rows(flat.abs(), self.group_size).sum(dim=1)
         lengths = torch.full_like(sums, float(self.group_size))
         lengths[-1] = flat.numel() - (sums.numel() - 1) * self.group_size
         positive = np.packbits((flat > 0).numpy())

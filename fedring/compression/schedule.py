@@ -43,6 +43,14 @@ class DensitySchedule:
             if not 0.0 < d <= 1.0:
                 raise ValueError(f"warm-up density {d} must be in (0, 1]")
 
+    @classmethod
+    def of(cls, target: float, warmup: int, rounds: int, flush: int) -> DensitySchedule | None:
+        """A job's schedule (`warmup` rounds a stage, the last `flush` of `rounds`);
+        None when it has neither: the codec's own density every round."""
+        if not (warmup or flush):
+            return None
+        return cls(target, steps_per_stage=warmup, rounds=rounds, flush=flush)
+
     def density(self, step: int) -> float:
         """The density at `step` (0-based); stages below the target are skipped."""
         if self.flush and step >= self.rounds - self.flush:

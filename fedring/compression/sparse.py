@@ -49,6 +49,22 @@ def n_groups(numel: int, group_size: int) -> int:
     return -(-numel // group_size)
 
 
+def pad_rows(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Flat `x` as rows [n, G], the last one zero-padded (a copy only when padded)."""
+    rows = n_groups(x.numel(), group_size)
+    if rows * group_size != x.numel():
+        x = torch.cat([x, x.new_zeros(rows * group_size - x.numel())])
+    return x.view(rows, group_size)
+
+
+def group_header(meta: Mapping[str, Any], limits: PayloadLimits) -> tuple[int, int]:
+    """A grouped payload's ``numel`` and ``group_size`` from its wire header, checked
+    against `limits`; every grouped codec reads these two first."""
+    numel = meta_int(meta, "numel", 1, limits.max_numel)
+    g = meta_int(meta, "group_size", 1, min(limits.max_group_size, MAX_GROUP_SIZE))
+    return numel, g
+
+
 def index_dtype(group_size: int) -> tuple[str, torch.dtype]:
     """The narrowest index type for group-local indices."""
     if group_size <= 256:
@@ -222,8 +238,7 @@ class SparseGroups:
     def from_wire(
         cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits
     ) -> SparseGroups:
-        numel = meta_int(meta, "numel", 1, limits.max_numel)
-        g = meta_int(meta, "group_size", 1, min(limits.max_group_size, MAX_GROUP_SIZE))
+        numel, g = group_header(meta, limits)
         k = meta_int(meta, "k", 1, g)
         g0, g1 = meta_range(meta, "groups", n_groups(numel, g))
         n = g1 - g0
@@ -329,8 +344,7 @@ class GroupSparse:
     def from_wire(
         cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits
     ) -> GroupSparse:
-        numel = meta_int(meta, "numel", 1, limits.max_numel)
-        g = meta_int(meta, "group_size", 1, min(limits.max_group_size, MAX_GROUP_SIZE))
+        numel, g = group_header(meta, limits)
         g0, g1 = meta_range(meta, "groups", n_groups(numel, g))
         _, counts = array(arrays, "count", ("u1", "i4"), (g1 - g0,))
         if counts.size and (int(counts.min()) < 0 or int(counts.max()) > g):

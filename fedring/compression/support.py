@@ -43,7 +43,13 @@ from fedring.compression.payload import (
     meta_int,
     no_extra,
 )
-from fedring.compression.sparse import MAX_GROUP_SIZE, SparseGroups, index_dtype, n_groups
+from fedring.compression.sparse import (
+    SparseGroups,
+    group_header,
+    index_dtype,
+    n_groups,
+    pad_rows,
+)
 from fedring.compression.values import (
     ValueDtype,
     encode_values,
@@ -112,8 +118,7 @@ class GroupIndices:
     def from_wire(
         cls, meta: Mapping[str, Any], arrays: Decoded, limits: PayloadLimits
     ) -> GroupIndices:
-        numel = meta_int(meta, "numel", 1, limits.max_numel)
-        g = meta_int(meta, "group_size", 1, min(limits.max_group_size, MAX_GROUP_SIZE))
+        numel, g = group_header(meta, limits)
         k = meta_int(meta, "k", 1, g)
         wire, _ = index_dtype(g)
         _, idx = array(arrays, "idx", (wire,), (n_groups(numel, g), k))
@@ -128,18 +133,8 @@ class GroupIndices:
         return cls(numel, g, wide)
 
 
-def _rows(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """`x` as rows [n, G], the last one zero-padded (a copy only when padded)."""
-    n = n_groups(x.numel(), group_size)
-    if x.numel() == n * group_size:
-        return x.reshape(n, group_size)
-    rows = torch.zeros(n * group_size, dtype=x.dtype)
-    rows[: x.numel()] = x.reshape(-1)
-    return rows.view(n, group_size)
-
-
 def _top(scores: torch.Tensor, numel: int, group_size: int, k: int) -> GroupIndices:
-    rows = _rows(scores, group_size)
+    rows = pad_rows(scores, group_size)
     pad = rows.numel() - numel
     if pad:
         rows.view(-1)[numel:] = -torch.inf  # padding only when k > the tail's length
@@ -166,7 +161,7 @@ def at_support(g: torch.Tensor, support: GroupIndices, value_dtype: ValueDtype) 
     would encode them: what error feedback subtracts (`ErrorFeedback.update`),
     bit for bit what the centre decodes. Values the dtype cannot hold exactly
     enough to subtract (fp16 overflow) are sent as 0 and stay whole in the residual."""
-    rows = _rows(g.reshape(-1), support.group_size).gather(1, support.indices)
+    rows = pad_rows(g.reshape(-1), support.group_size).gather(1, support.indices)
     values, scales = encode_values(rows, value_dtype)
     values, decoded = exactify_decoded(rows, values, scales)
     _, idx_dtype = index_dtype(support.group_size)

@@ -131,9 +131,7 @@ class ReducerSettings:
         plan = choose_density(rounds=self.rounds, local=self.local,
                               participation=self.participation,
                               local_steps=self.local_steps)  # fmt: skip
-        chosen = {"density": plan.density, "density_warmup": plan.warmup,
-                  "density_flush": plan.flush, "density_auto": plan.reason}  # fmt: skip
-        for name, value in chosen.items():
+        for name, value in plan.fields().items():
             object.__setattr__(self, name, value)
 
     @property
@@ -194,11 +192,9 @@ class Reducer:
             self.topk = GroupTopK(s.group_size, s.k, s.value_dtype)
         if s.error_feedback and (s.compressed or s.sign_feedback):
             self.ef = ErrorFeedback(self.numel, momentum=s.momentum_correction)
-        if s.compressed and (s.density_warmup or s.density_flush):
-            self.schedule = DensitySchedule(
-                float(s.density), steps_per_stage=s.density_warmup, rounds=s.rounds,
-                flush=s.density_flush,
-            )  # fmt: skip
+        if s.compressed:
+            self.schedule = DensitySchedule.of(float(s.density), s.density_warmup, s.rounds,
+                                               s.density_flush)  # fmt: skip
 
     @property
     def channel(self) -> PeerChannel:

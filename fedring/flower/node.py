@@ -156,14 +156,10 @@ def _compressor(spec: JobSpec) -> GroupTopK | None:
 def _round_k(spec: JobSpec, r: int | None) -> int | None:
     """k of round `r` under the job's DGC warm-up and closing flush (as the reducer's
     `DensitySchedule` in-process); None: the codec's own k (no schedule, round unknown)."""
-    if (
-        r is None
-        or spec.compression != "group-topk"
-        or not (spec.density_warmup or spec.density_flush)
-    ):
+    schedule = DensitySchedule.of(float(spec.density), spec.density_warmup, spec.rounds,
+                                  spec.density_flush)  # fmt: skip
+    if r is None or spec.compression != "group-topk" or schedule is None:
         return None
-    schedule = DensitySchedule(float(spec.density), steps_per_stage=spec.density_warmup,
-                               rounds=spec.rounds, flush=spec.density_flush)  # fmt: skip
     return k_for(schedule.density(r), spec.group_size)
 
 
