@@ -201,6 +201,11 @@ def coordinator_run(
         True, "--onnx/--no-onnx", help="Export OUT/model.onnx at the end, checked with ORT."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q",
+        help="No progress line on stderr (it shows round / total, accuracy, loss, bytes, "
+        "members and ETA, redrawn on a terminal, a line a second in a pipe or log).",
+    ),
     pipeline_stages: int = typer.Option(
         0, "--pipeline-stages", min=0, max=64,
         help="Model parallelism: cut the model into S stages, one per agent (sets the job's "
@@ -214,6 +219,8 @@ def coordinator_run(
     from fedring.coordinator.lease import CoordinatorBusy, lock_folder
     from fedring.coordinator.pipeline import PipelineCoordinator
     from fedring.coordinator.service import Coordinator, CoordinatorError, Options
+    from fedring.monitor import JobFeed
+    from fedring.monitor.progress import ProgressLine
     from fedring.transport.mqtt import BrokerRefused, BrokerUnreachable
 
     cfg = broker_config(broker, username, password_file, ca, cert, key, keepalive)
@@ -231,16 +238,10 @@ def coordinator_run(
     except CoordinatorBusy as exc:
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
-    with lock, Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
-        task = progress.add_task(
-            f"waiting for {min_agents or spec.agents} agents", total=spec.rounds
-        )
-
-        def tick(r: int, row: dict[str, Any]) -> None:
-            progress.update(task, completed=r + 1, description=row_text(row))
-
+    feed = JobFeed(rounds=spec.rounds, agents=min_agents or spec.agents)
+    with lock, ProgressLine(feed, quiet=quiet):
         opts = Options(out=out, min_agents=min_agents, enrol_timeout_s=enrol_timeout,
-                       resume=resume, export_onnx=onnx, on_round=tick)  # fmt: skip
+                       resume=resume, export_onnx=onnx, feed=feed)  # fmt: skip
         piped = spec.pipeline_stages > 1  # an S x D grid of agents: `coordinator.pipeline`
         try:
             summary = (PipelineCoordinator if piped else Coordinator)(spec, cfg, opts).run()

@@ -10,18 +10,17 @@ Most of the module is the command's signature: typer reads the options from it, 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress
 from rich.table import Table
 
 from fedring import cli_export
-from fedring.cli_mqtt import row_text
+from fedring.monitor import JobFeed
+from fedring.monitor.progress import ProgressLine
 
 err = Console(stderr=True)
 
@@ -152,6 +151,10 @@ def simulate_cmd(
         False, "--with-dense", help="Also run the dense fp32 ring; report and plot it beside."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q",
+        help="No progress line on stderr (round / total, accuracy, loss, bytes, ETA).",
+    ),
     attack: str | None = typer.Option(
         None,
         "--attack",
@@ -163,7 +166,8 @@ def simulate_cmd(
 ) -> None:
     """Train N agents in one process over the in-process transport (real frames)."""
     given = {k: v for k, v in locals().items() if v is not None}  # before any other local
-    cli_only = ("config", "out", "as_json", "fleet", "with_dense", "attack", "attackers")
+    cli_only = ("config", "out", "as_json", "fleet", "with_dense", "attack", "attackers",
+                "quiet")
     flags = {k: v for k, v in given.items() if k not in cli_only}
     if flags.get("density", "auto") != "auto":
         try:
@@ -196,29 +200,28 @@ def simulate_cmd(
         raise typer.Exit(2) from None
     profiles = [m.profile for m in members] if members is not None and piped else None
     host = fleet_clock.measure_host(spec) if members is not None and not piped else None
-    with Progress(console=err, disable=not sys.stderr.isatty(), transient=True) as progress:
-        bar = progress.add_task(
-            f"{spec.sync} {spec.compression} N={spec.agents}", total=spec.rounds
-        )
-
-        def tick(r: int, row: dict[str, Any]) -> None:
-            progress.update(bar, completed=r + 1, description=row_text(row))
-
-        onnx: dict[str, Any] = {}
-        done = cli_export.export_after_run(out, spec.seed, onnx) if out is not None else None
-        try:
-            summary = simulate(spec, on_round=tick, on_done=done, fleet=profiles,
-                               attack=harness, attackers=attackers)  # fmt: skip
-            dense_spec = dense_twin(spec)
-            baseline = (
-                simulate(dense_spec, fleet=profiles) if with_dense and dense_spec != spec else None
-            )
-        except (ValueError, FileNotFoundError) as exc:  # refused input: shards, model, dataset
-            err.print(f"[red]error: {escape(str(exc))}[/red]")
-            raise typer.Exit(2) from None
-        except Exception as exc:
-            err.print(f"[red]run failed: {type(exc).__name__}: {escape(str(exc))}[/red]")
-            raise typer.Exit(1) from None
+    onnx: dict[str, Any] = {}
+    done = cli_export.export_after_run(out, spec.seed, onnx) if out is not None else None
+    dense_spec = dense_twin(spec)
+    baseline = None
+    try:
+        feed = sim_feed(spec, spec.compression)
+        with ProgressLine(feed, quiet=quiet):
+            summary = simulate(spec, on_round=lambda _r, row: feed.round(row), on_done=done,
+                               fleet=profiles, attack=harness, attackers=attackers)  # fmt: skip
+            feed.finish()
+        if with_dense and dense_spec != spec:
+            twin = sim_feed(dense_spec, "dense twin")
+            with ProgressLine(twin, quiet=quiet):
+                baseline = simulate(dense_spec, fleet=profiles,
+                                    on_round=lambda _r, row: twin.round(row))  # fmt: skip
+                twin.finish()
+    except (ValueError, FileNotFoundError) as exc:  # refused input: shards, model, dataset
+        err.print(f"[red]error: {escape(str(exc))}[/red]")
+        raise typer.Exit(2) from None
+    except Exception as exc:
+        err.print(f"[red]run failed: {type(exc).__name__}: {escape(str(exc))}[/red]")
+        raise typer.Exit(1) from None
     if members is not None and piped:
         from fedring.sim.pipeline_clock import estimate_pipeline
 
@@ -245,6 +248,13 @@ def simulate_cmd(
     if "error" in onnx:
         err.print(f"[red]ONNX export failed its checks: {escape(str(onnx['error']))}[/red]")
         raise typer.Exit(1)
+
+
+def sim_feed(spec: Any, what: str) -> JobFeed:
+    """The feed of one simulated job: its agents, named as in the summary."""
+    feed = JobFeed(job=f"simulate {what}", rounds=spec.rounds, agents=spec.agents)
+    feed.members([f"a{i}" for i in range(spec.agents)], spec.sync)
+    return feed
 
 
 def _simulate_table(spec: Any, r: dict[str, Any]) -> Table:

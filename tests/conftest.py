@@ -19,6 +19,8 @@ settings.load_profile("fedring")
 LANES = {
     "flower": ("tests/flower/", "tests/bench/test_flower_fedavg.py"),
     "mqtt": ("tests/mqtt/",),
+    "monitor": ("tests/monitor/",),  # its own broker and fleet: beside the mqtt lane
+    "brokers": ("tests/brokers/",),  # other broker implementations and capped brokers
     "lab": ("tests/lab/", "tests/bench/test_ddp.py", "tests/engine/test_ddp_",
             "tests/bench/test_ddp_hook_cuda.py"),  # gloo worlds, one at a time
 }

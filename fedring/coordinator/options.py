@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedring.monitor import JobFeed
+
 
 @dataclass
 class Options:
@@ -20,3 +22,4 @@ class Options:
     resume: bool = False
     export_onnx: bool = True  # OUT/model.onnx from the final checkpoint, checked with ORT
     on_round: Callable[[int, dict[str, Any]], None] | None = None  # (0-based round, its row)
+    feed: JobFeed | None = None  # what the progress line, metrics and dashboard read

@@ -125,6 +125,9 @@ class PipelineCoordinator:
             ckpt = files.StageCheckpoints(self.opts.out, s_count)
             initial = {st.index: stage_state(modules[st.index]) for st in plan.stages}
             job = GridJob(f"pp-{os.urandom(4).hex()}", os.urandom(32), Grid(members, s_count))
+            if self.opts.feed is not None:
+                self.opts.feed.job, self.opts.feed.counters = job.job, self.counters
+                self.opts.feed.members(members, f"pipeline {s_count} stages")
             self.fleet.codec.key = job.key
             while True:
                 self._start(job, plan, boards, shards, initial if job.epoch == 0 else ckpt.latest)
@@ -220,6 +223,8 @@ class PipelineCoordinator:
                 row = {k: v for k, v in msg.doc.items() if k != "epoch"}
                 self.rows[int(number(row.get("round")))] = row
                 append_row(self.opts.out, row)
+                if self.opts.feed is not None:
+                    self.opts.feed.round(row)
                 if self.opts.on_round is not None:
                     self.opts.on_round(int(row.get("round", 1)) - 1, row)
             elif msg.kind == "bye":

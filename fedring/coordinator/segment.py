@@ -33,6 +33,7 @@ from fedring.coordinator.options import Options
 from fedring.coordinator.port import ControlPort
 from fedring.engine.plan import Plan
 from fedring.engine.resync import Drift
+from fedring.monitor import JobFeed
 from fedring.training.models import flat_sha256
 from fedring.transport.base import Deadline
 from fedring.transport.mqtt import BrokerConfig, Control
@@ -61,6 +62,9 @@ class SegmentRunner(ControlPort):
         self.degrade = Degrade(spec)  # a ring that keeps breaking goes asynchronous
         self.collectives = CollectivePlans()  # each epoch's collective (`auto`: planned)
         self.replanning = False  # the epoch ends because `auto` re-plans, not a break
+        self.feed = opts.feed if opts.feed is not None else JobFeed()
+        self.feed.counters = self.counters  # the views read the job's own counts
+        self.feed.rounds, self.feed.agents = spec.rounds, spec.agents
 
     def _wall(self) -> float:
         """Seconds the job has run, the coordinator processes before this one included."""
@@ -115,6 +119,7 @@ class SegmentRunner(ControlPort):
                 row["wall_s"] = round(time.perf_counter() - self.t0, 4)
             self.last_row = self.rows[rnd] = row
             outputs.append_row(self.opts.out, row)
+            self.feed.round(row)
             if self.opts.on_round is not None:
                 self.opts.on_round(rnd - 1, row)
             if params is not None:
@@ -127,6 +132,8 @@ class SegmentRunner(ControlPort):
         ck = self.ck
         assert ck is not None
         log.info("epoch %d: ring %s from round %d", ep.number, ep.members, ep.start)
+        self.feed.members(ep.members, "star" if needs_centre(self.spec) else
+                          "async" if self.asynchronous else "ring")  # fmt: skip
         # rounds after the start are run again (another ring may round differently)
         self.hashes = {r: seen for r, seen in self.hashes.items() if r <= ep.start}
         collective = self.collectives.plan(self.spec, ep.number, ep.members, self.fleet,
@@ -184,6 +191,7 @@ class SegmentRunner(ControlPort):
             verdict = decide.on_member(ep, self.ck.shards, who, kind, self.asynchronous)
             if verdict.lost:
                 self.counters.add("agent_lost")
+                self.feed.event("lost", f"{who} {kind}")
             return self._take(ep, who, verdict)
         msg = self._decode(item)
         if msg is None or msg.job != self.ck.job:
@@ -216,6 +224,7 @@ class SegmentRunner(ControlPort):
         `who` says so, once."""
         if verdict.drop and ep.went(who):
             log.warning("%s %s; the asynchronous job goes on without it", who, verdict.drop)
+            self.feed.event("dropped", f"{who} {verdict.drop}; went on without it")
             self.events.append({"t": time.time(), "epoch": ep.number,
                                 "why": f"{who} {verdict.drop}; went on without it"})  # fmt: skip
         return verdict.reform, False
@@ -246,6 +255,7 @@ class SegmentRunner(ControlPort):
             self.collectives.observe(self.spec, rnd, row)
             self.rows[rnd] = {k: v for k, v in row.items() if k not in ("sha256", "machine")}
             outputs.append_row(self.opts.out, self.rows[rnd])  # a crash keeps the history
+            self.feed.round(self.rows[rnd])
             if self.opts.on_round is not None:
                 self.opts.on_round(rnd - 1, row)
             return True
@@ -282,6 +292,7 @@ class SegmentRunner(ControlPort):
                     self.ck.round if self.ck else 0)  # fmt: skip
         assert self.link is not None and self.ck is not None
         self.events.append({"t": time.time(), "epoch": ep.number, "why": why})
+        self.feed.event("re-formed", why)
         for agent in ep.members:
             if agent in self.link.peers():
                 self._send(agent, "bye", {"epoch": ep.number, "why": "halt"})

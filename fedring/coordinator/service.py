@@ -76,6 +76,7 @@ class Coordinator(SegmentRunner):
         try:
             ck = self._resume(saved) if saved is not None else self._enrol_and_plan()
             self.ck = ck
+            self.feed.job, self.feed.rounds = ck.job, self.spec.rounds
             self.wall_before = ck.wall_s
             self.rows = outputs.load_rows(self.opts.out, up_to=ck.round, keep=saved is not None)
             self.codec.key = ck.key
@@ -99,15 +100,21 @@ class Coordinator(SegmentRunner):
                 elif ended == "break" and (why := self.degrade.broke(ck.round)):
                     log.warning(why)
                     self.counters.add("degraded_to_async")
+                    self.feed.event("degraded", why)
                     self.events.append({"t": time.time(), "epoch": ep.number, "why": why})
                 if ended == "finish":
-                    return self._finish(ep, self._wall())
+                    summary = self._finish(ep, self._wall())
+                    self.feed.finish(ok=True)
+                    return summary
                 self.epochs += 1
                 if self.epochs >= self.opts.max_epochs:
                     raise CoordinatorError(f"gave up after {self.epochs} re-formations")
                 epoch += 1
                 members = self._members()
                 self._check_refusals(members)
+        except BaseException:
+            self.feed.finish(ok=False)
+            raise
         finally:
             if self.centre is not None:
                 self.centre.close()
@@ -124,6 +131,7 @@ class Coordinator(SegmentRunner):
                     f"{self.opts.enrol_timeout_s:g} s: {sorted(self._ready())}"
                 )
             self._poll(0.2)
+            self.feed.online(len(self._ready()))
         chosen = self.fleet.order(self._ready())[: self.spec.agents]
         if self.spec.sample > len(chosen):  # a whole number (a fraction is at most 1)
             why = (f"sample={self.spec.sample:g} asks for more agents a round than the "
@@ -134,6 +142,7 @@ class Coordinator(SegmentRunner):
         p = self.plan = plan(spec)
         job = topics.check_id("job", f"{_slug(spec.task or spec.dataset)}-{os.urandom(4).hex()}")
         log.info("job %s: %d agents, ring %s", job, len(chosen), chosen)
+        self.feed.job, self.feed.agents = job, len(chosen)
         return Checkpoint(
             job=job, key=os.urandom(32), spec=spec.resolved(),
             shards={a: i for i, a in enumerate(chosen)}, model_sha256=p.model_sha256,
@@ -173,6 +182,7 @@ class Coordinator(SegmentRunner):
         why = self.degrade.back(state.version)
         log.info(why)
         self.counters.add("back_to_ring")
+        self.feed.event("back to ring", why)
         self.events.append({"t": time.time(), "epoch": ep.number, "why": why})
         return False
 
