@@ -80,11 +80,14 @@ class JobSpec:
     # out: keep | reset | decay:G (x G per round missed).
     sit_out: str = "keep"
     # Over MQTT (SEEDS A: "retry automatically or degrade to asynchronous updates"): a
-    # ring re-formed `degrade_after` times, each within `degrade_window` rounds of the
-    # one before, goes on asynchronously through the coordinator, and back to the ring
-    # once no agent came or went for `degrade_calm` versions. 0 = never degrade.
+    # ring re-formed `degrade_after` times, each within `degrade_window` rounds or
+    # `degrade_window_s` seconds of the one before (a round count alone misses a fast
+    # ring whose boards take 10 s to restart), goes on asynchronously through the
+    # coordinator, and back to the ring once no agent came or went for `degrade_calm`
+    # versions. `degrade_after` 0 = never degrade; `degrade_window_s` 0 = rounds only.
     degrade_after: int = 3
     degrade_window: int = 50
+    degrade_window_s: float = 300.0
     degrade_calm: int = 50
     correction: float = 0.1  # adaptive: pull toward the global model during local steps
     rounds: int = 600  # communication rounds
@@ -185,6 +188,7 @@ class JobSpec:
         _check_int(self, "update_delay", 0, 1)
         _check_int(self, "degrade_after", 0, 1000)
         _check_int(self, "degrade_window", 1, 10**6)
+        _check_float(self, "degrade_window_s", 0.0, 1e7)
         _check_int(self, "degrade_calm", 1, 10**6)
         _check_sample(self)
         _check_pipeline(self)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from fedring.config import JobSpec
 from fedring.coordinator.degrade import Degrade
 
-SPEC = JobSpec(agents=4, degrade_after=3, degrade_window=50, degrade_calm=20, rounds=500)
+SPEC = JobSpec(agents=4, degrade_after=3, degrade_window=50, degrade_window_s=0.0,
+               degrade_calm=20, rounds=500)  # fmt: skip
 
 
 def test_the_third_break_within_the_window_degrades_and_says_why() -> None:
@@ -52,3 +53,19 @@ def test_off_or_not_a_ring_never_degrades() -> None:
         for at in (1, 2, 3, 4, 5):  # five distinct rounds
             d.broke(at)
         assert not d.active, fields
+
+
+def test_breaks_within_the_seconds_window_degrade_however_many_rounds_apart() -> None:
+    """A fast ring whose boards take ~10 s to restart breaks ~90 rounds apart: more
+    than `degrade_window` rounds, but within `degrade_window_s` seconds."""
+    d = Degrade(SPEC.replace(degrade_window_s=120.0))
+    assert d.broke(90, now=1000.0) == d.broke(180, now=1030.0) == ""
+    why = d.broke(270, now=1061.0)
+    assert d.active and "50 rounds or 120 s" in why
+
+
+def test_breaks_far_apart_in_rounds_and_seconds_start_the_count_again() -> None:
+    d = Degrade(SPEC.replace(degrade_window_s=120.0))
+    d.broke(90, now=0.0)
+    d.broke(180, now=200.0)  # 90 rounds and 200 s after: a new count
+    assert d.breaks == [180] and not d.active
