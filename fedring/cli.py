@@ -8,7 +8,7 @@ Long work shows progress on a terminal and stays quiet in pipes; `--json` prints
 one JSON object on stdout at the end.
 
 This module builds the command tree and its root options; the commands live by
-group: `cli_simulate`, `cli_bench`, `cli_mqtt` (agent, coordinator, bench mqtt),
+group: `cli_simulate`, `cli_bench`, `cli_mqtt` (agent, coordinator, bench mqtt), `cli_fleet`,
 `cli_flower`, `cli_lab` (lab, bench lab, bench grid), `cli_profile` and `cli_export`.
 """
 
@@ -21,7 +21,15 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fedring import __version__, cli_bench, cli_export, cli_mqtt, cli_profile, cli_simulate
+from fedring import (
+    __version__,
+    cli_bench,
+    cli_export,
+    cli_fleet,
+    cli_mqtt,
+    cli_profile,
+    cli_simulate,
+)
 from fedring.cli_flower import flower_app
 from fedring.cli_lab import bench_grid_cmd, bench_lab_cmd, lab_app
 from fedring.extras import explain
@@ -41,6 +49,7 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 app.command("agent")(cli_mqtt.agent_cmd)
+app.command("fleet")(cli_fleet.fleet_cmd)
 app.command("simulate")(cli_simulate.simulate_cmd)
 bench_app.command("mqtt")(cli_mqtt.bench_mqtt_cmd)
 bench_app.command("lab")(bench_lab_cmd)

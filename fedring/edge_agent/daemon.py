@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fedring import __version__
 from fedring.build import opens_centre
 from fedring.collective.channel import CollectiveError
 from fedring.compression.probe import codec_cost
@@ -49,6 +50,7 @@ from fedring.training.sharding import ShardError
 from fedring.transport import topics
 from fedring.transport.base import Deadline, TransportError
 from fedring.transport.mqtt import BrokerConfig, Control, MqttEndpoint, MqttLink
+from fedring.transport.mqtt_presence import resident_bytes
 from fedring.wire.control import ControlCodec, ControlMessage
 from fedring.wire.errors import FrameError, FrameReason
 from fedring.wire.frame import decode_frame
@@ -95,6 +97,8 @@ class AgentDaemon:
         self.counters_at_job: dict[str, int] = {}
         self.awaiting: Segment | None = None  # manifest received, checkpoint model not yet
         self.jobs_done = 0
+        self.started = time.time()  # announced in the hello (`fedring fleet`'s uptime)
+        self.hello_doc: dict[str, Any] = {}  # the first hello's, measured once
         self.machine = os.environ.get(MACHINE_ENV) or platform.machine()
         self.inject_drift = _env_float(DRIFT_ENV)
         self.stages = StageHost(me, self.codec, self.counters, self._send, data_dir=data_dir,
@@ -133,17 +137,33 @@ class AgentDaemon:
         log.info("agent %s stopped; counters %s", self.me, self.counters.snapshot())
         return 0
 
-    def _hello(self) -> None:
+    def _hello(self, job: str = "") -> None:
+        """Announce this board (retained): what the coordinator orders rings by, and what
+        `fedring fleet` shows (versions, memory, start time, the job it is in). The probes
+        run once; a change of job re-sends the same hello with the new ``job``."""
         assert self.link is not None
-        encode_s, decode_s = codec_cost()  # the collective's cost model (`auto`)
-        doc = {
-            "id": self.me, "session": self.link.session, "profile": self.profile,
-            "step_s": _step_time(), **self.link.probe_link(),
-            "encode_s": list(encode_s), "decode_s": list(decode_s),
-            "threads": self.threads, "machine": self.machine,
-        }  # fmt: skip
+        if not self.hello_doc:
+            encode_s, decode_s = codec_cost()  # the collective's cost model (`auto`)
+            self.hello_doc = {
+                "id": self.me, "session": self.link.session, "profile": self.profile,
+                "step_s": _step_time(), **self.link.probe_link(),
+                "encode_s": list(encode_s), "decode_s": list(decode_s),
+                "threads": self.threads, "machine": self.machine,
+                "fedring": __version__, "torch": torch.__version__,
+                "python": platform.python_version(), "started": self.started,
+                "mem_total": _physical_memory(),
+            }  # fmt: skip
+        doc = {**self.hello_doc, "job": job, "rss": resident_bytes()}
         [frame] = self.codec.encode("hello", "-", topics.COORDINATOR, doc, sign=False)
         self.link.publish(topics.hello(self.me), frame, Deadline.after(SEND_S), retain=True)
+
+    def _announce(self, job: str) -> None:
+        """Re-send the hello naming `job` ("" none); a failure is counted, not fatal."""
+        try:
+            self._hello(job)
+        except TransportError as exc:
+            self.counters.add("send_failed")
+            log.warning("%s could not re-send its hello: %s", self.me, exc)
 
     # -- control messages -------------------------------------------------------
 
@@ -182,6 +202,7 @@ class AgentDaemon:
                 self._leave_job()
                 self.worker, self.awaiting = None, None
                 self.jobs_done += 1
+                self._announce("")  # in no job now
 
     def _on_manifest(self, msg: ControlMessage) -> None:
         doc = msg.doc
@@ -213,6 +234,7 @@ class AgentDaemon:
                     if opens_centre(spec) else None
                 )  # fmt: skip
                 self.link_bytes_at_job = self.link.stats.bytes_sent
+                self._announce(seg.job)
         except (KeyError, TypeError, ValueError, SpecError, ShardError, DatasetError) as exc:
             self.counters.add("job_refused")
             if isinstance(exc, CodeRefused):  # code or a path this agent does not allow
@@ -378,6 +400,14 @@ def _env_float(name: str) -> float:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"environment variable {name}={text!r} must be in [0, 1)")
     return value
+
+
+def _physical_memory() -> int:
+    """The board's memory in bytes (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def _step_time(n: int = 3) -> float:

@@ -6,6 +6,15 @@ the will's ``lost``) and, on a *watching* link (the coordinator's), their heartb
 its announced keep-alives is taken for lost, a hung board the broker would see late.
 `Heartbeat` is the thread that beats for our own link and ticks the watch.
 
+A beat is ``SESSION KEEPALIVE rss=BYTES``: the process's resident memory rides on the
+beats a link sends anyway (one small QoS 0 message a third of a keep-alive), so a fleet
+view (`fedring fleet`) reads it fresh at no extra traffic, where a retained update would
+add a publish, and a broker write, per change. Only the session counts for liveness;
+`parse_beat` reads the rest (bounded: MAX_BEAT_BYTES, MAX_BEAT_FIELDS; unknown keys are
+skipped, so a newer agent may add one) and says why it skipped a malformed field, which
+`Presence.beat` counts as ``bad_beat_field`` without ever refusing the beat itself.
+`parse_status` reads a retained status the same way for `Presence` and the fleet view.
+
 Locking: `Presence` owns its state and its lock. paho's network thread (statuses,
 beats), the heartbeat thread (silences), the grace timers of a "lost" and callers of
 `peers` all go through it; events are emitted after the lock is let go.
@@ -15,10 +24,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fedring.counters import Counters
 from fedring.transport import topics
@@ -37,6 +48,85 @@ BEATS_PER_KEEPALIVE = 3
 SILENT_AFTER = 1.25
 WATCH_TICK_S = 0.25
 MIN_KEEPALIVE_S = 1.0  # a presence announcing less is taken at this: no instant "lost"
+MAX_BEAT_BYTES = 256  # a beat is ~30 bytes; a longer one's fields are not read
+MAX_BEAT_FIELDS = 8  # KEY=VALUE fields read after SESSION KEEPALIVE
+MAX_RSS_BYTES = 2**48  # 256 TiB: anything above is not a process's memory
+STATES = ("online", "offline", "lost")  # what a status may say (the will says "lost")
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    """A peer's retained status: its state, session, job ("" none) and keep-alive."""
+
+    state: str
+    session: str
+    job: str
+    keepalive: float
+
+
+def parse_status(payload: bytes, default_keepalive: float) -> PeerStatus:
+    """A status document (empty: cleared, taken as offline); a `ValueError` (a
+    `FrameError`) says why one is unreadable: oversized, not JSON, too deep."""
+    if not payload:
+        return PeerStatus("offline", "", "", default_keepalive)
+    doc = parse_document(payload, max_bytes=MAX_STATUS_BYTES, what="status")
+    return PeerStatus(
+        str(doc.get("state", "offline")), str(doc.get("session", "")), str(doc.get("job", "")),
+        announced_keepalive(doc.get("keepalive"), default_keepalive),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat: its session (all that liveness reads), and its fields.
+
+    >>> parse_beat(b"3f2a 5 rss=1048576")
+    Beat(session='3f2a', rss=1048576, bad='')
+    >>> parse_beat(b"3f2a 5 rss=lots").bad
+    "field 'rss=lots': not a whole number of bytes in [0, 2**48]"
+    """
+
+    session: str
+    rss: int | None = None  # the process's resident bytes; None: not announced
+    bad: str = ""  # why a field was skipped ("": none was)
+
+
+def parse_beat(payload: bytes) -> Beat:
+    """``SESSION [KEEPALIVE [KEY=VALUE ...]]``: the session as `Presence` has always read
+    it (the first word of the first 64 bytes), then at most MAX_BEAT_FIELDS fields of a
+    beat of at most MAX_BEAT_BYTES ASCII bytes. The keep-alive is never taken from a beat
+    (`Presence.beat`); unknown keys are skipped; a malformed field is named in ``bad``."""
+    session = payload[:64].decode("ascii", "replace").partition(" ")[0]
+    if len(payload) > MAX_BEAT_BYTES:
+        return Beat(session, bad=f"beat of {len(payload)} bytes > {MAX_BEAT_BYTES}")
+    try:
+        words = payload.decode("ascii").split(" ")[2:]
+    except UnicodeDecodeError:
+        return Beat(session, bad="beat is not ASCII")
+    if len(words) > MAX_BEAT_FIELDS:
+        return Beat(session, bad=f"{len(words)} fields > {MAX_BEAT_FIELDS}")
+    rss, bad = None, ""
+    for word in words:
+        key, eq, value = word.partition("=")
+        if not eq:
+            bad = f"field {word[:32]!r} is not KEY=VALUE"
+        elif key == "rss":
+            if value.isascii() and value.isdigit() and int(value) <= MAX_RSS_BYTES:
+                rss = int(value)
+            else:
+                bad = f"field {word[:32]!r}: not a whole number of bytes in [0, 2**48]"
+    return Beat(session, rss, bad)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux ``/proc/self/statm``; 0 elsewhere): a
+    small file read, cheap enough for every beat (as `firmware_profiles.apply.runtime_rss`,
+    which transport may not import: it pulls in torch)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -91,17 +181,13 @@ class Presence:
         """A peer's retained status (empty: cleared, taken as offline)."""
         if who == self.me:
             return
-        state, session, job, keepalive = "offline", "", "", float(self.cfg.keepalive)
-        if payload:  # an oversized one is refused (counted) by the parser
-            try:
-                doc = parse_document(payload, max_bytes=MAX_STATUS_BYTES, what="status")
-                state, session = str(doc.get("state", "offline")), str(doc.get("session", ""))
-                job = str(doc.get("job", ""))
-                keepalive = announced_keepalive(doc.get("keepalive"), keepalive)
-            except (ValueError, AttributeError):
-                self.counters.add("bad_status")
-                log.warning("%s: unreadable status from %s", self.me, who)
-                return
+        try:  # an oversized one is refused (counted) by the parser
+            peer = parse_status(payload, float(self.cfg.keepalive))
+        except (ValueError, AttributeError):
+            self.counters.add("bad_status")
+            log.warning("%s: unreadable status from %s", self.me, who)
+            return
+        state, session, job, keepalive = peer.state, peer.session, peer.job, peer.keepalive
         events: list[MembershipEvent] = []
         table = self._table
         with self._lock:
@@ -145,14 +231,16 @@ class Presence:
         self._emit(who, [MembershipEvent("lost", who)])
 
     def beat(self, who: str, payload: bytes) -> None:
-        """A beat is ``SESSION [KEEPALIVE]``; it counts only for the session the peer's
-        presence announced, and its silence limit is SILENT_AFTER x the keep-alive that
-        presence announced (never one a beat carries: one forged beat with a tiny
-        keep-alive would have a live peer taken for lost at once).
+        """A beat is ``SESSION [KEEPALIVE [rss=BYTES]]`` (`parse_beat`); it counts only for
+        the session the peer's presence announced, and its silence limit is SILENT_AFTER x
+        the keep-alive that presence announced (never one a beat carries: one forged beat
+        with a tiny keep-alive would have a live peer taken for lost at once). A malformed
+        field is counted (``bad_beat_field``) and skipped; the beat still counts.
         A watcher hears its own beats too (it subscribes to every agent's): ignored."""
         if who == self.me:
             return
-        session = payload[:64].decode("ascii", "replace").partition(" ")[0]
+        parsed = parse_beat(payload)
+        session = parsed.session
         events: list[MembershipEvent] = []
         table = self._table
         with self._lock:
@@ -160,6 +248,9 @@ class Presence:
             if not session or session != known:
                 self.counters.add("bad_beat")
                 return
+            if parsed.bad:
+                self.counters.add("bad_beat_field")
+                log.debug("%s: skipped a field of %s's beat: %s", self.me, who, parsed.bad)
             limit = SILENT_AFTER * table.keepalive.get(who, float(self.cfg.keepalive))
             table.beats[who] = (session, time.monotonic(), limit)
             if table.silent.get(who) == session and who not in table.online:
@@ -189,7 +280,8 @@ class Presence:
 
 
 class Heartbeat:
-    """Our own beats (``SESSION KEEPALIVE`` at QoS 0, read by `Presence.beat`), every
+    """Our own beats (``SESSION KEEPALIVE rss=BYTES`` at QoS 0, read by `Presence.beat`
+    and `fedring fleet`), every
     keepalive / BEATS_PER_KEEPALIVE s while `conn` is connected; on a watcher it also
     ticks `watch.check_silences`. `stop` ends it for good: a closed link, or one that
     stepped back for another holder of its id."""
@@ -208,13 +300,14 @@ class Heartbeat:
     def _loop(self) -> None:
         conn = self.conn
         period = conn.cfg.keepalive / BEATS_PER_KEEPALIVE
-        beat = f"{conn.session} {conn.cfg.keepalive}".encode()
+        beat = f"{conn.session} {conn.cfg.keepalive}"
         due = 0.0
         while not self.stop.wait(WATCH_TICK_S if self._watch else period):
             now = time.monotonic()
             client = conn.client
             if now >= due and client is not None and conn.connected.is_set():
-                client.publish(topics.beat(conn.me), beat, qos=0)
+                payload = f"{beat} rss={resident_bytes()}".encode()
+                client.publish(topics.beat(conn.me), payload, qos=0)
                 due = now + period
             if self._watch is not None:
                 self._watch.check_silences(now)
