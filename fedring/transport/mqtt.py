@@ -221,6 +221,12 @@ class MqttLink:
         """Payload bytes waiting in the incoming queues (bounded by `max_inbox_bytes` each)."""
         return self._inboxes.queued_bytes
 
+    def queue_depths(self) -> dict[str, int]:
+        """Items waiting in each incoming queue: control, data, and a private one per job."""
+        inboxes = self._inboxes
+        private = {f"private:{job}": q.qsize() for job, q in inboxes.private.items()}
+        return {"control": inboxes.control.qsize(), "data": inboxes.data.qsize(), **private}
+
     # -- outgoing -------------------------------------------------------------
 
     def publish(self, topic: str, data: bytes, deadline: Deadline, *, retain: bool = False) -> None:
