@@ -35,6 +35,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fedring.build import needs_centre
 from fedring.choose import candidates, choose_collective
 from fedring.collective.cost import Choice, Probe, steps
 from fedring.compression.schedule import DGC_STAGES
@@ -163,8 +164,11 @@ class CollectivePlans:
     def summary(
         self, spec: JobSpec, rows: dict[int, dict[str, Any]], fleet: Fleet
     ) -> list[dict[str, Any]]:
-        """Per epoch: the choice, every prediction, predicted and measured round."""
+        """Per epoch: the choice, every prediction, predicted and measured round. A job
+        whose updates go through the coordinator (star, a robust rule, async) runs no
+        collective: its entries say which centre it is, not the ring it never ran."""
         out = []
+        centre = "async" if spec.sync == "async" else "star" if needs_centre(spec) else ""
         ends = [p.start_round for p in self.epochs[1:]] + [max(rows, default=0) + 1]
         warm = warmup_rounds(spec)
         for planned, end in zip(self.epochs, ends, strict=True):
@@ -178,10 +182,17 @@ class CollectivePlans:
             # the head waits for its checkpoint's ack: up to the broker, saved, acked
             head, save = fleet.cost_probe(planned.members[0]), self._save_s()
             gate = (head.rtt_s + head.up(4 * planned.numel) + save) / spec.checkpoint_every
+            choice: dict[str, Any] = planned.choice.to_dict()
+            predicted: float | None = round(chosen + steps * compute + gate, 6)
+            if centre:
+                predicted = None
+                choice = {"chosen": centre, "predicted_s": {},
+                          "why": f"a {centre} job: every update goes through the coordinator's "
+                                 "centre; no collective runs between the agents"}  # fmt: skip
             out.append({
                 "epoch": planned.epoch, "members": len(planned.members),
-                "from_round": planned.start_round, **planned.choice.to_dict(),
-                "predicted_round_s": round(chosen + steps * compute + gate, 6),
+                "from_round": planned.start_round, **choice,
+                "predicted_round_s": predicted,
                 "measured_round_s": round(statistics.median(gaps), 6) if gaps else None,
                 "measured_from_round": first,
                 "measured_allreduce_s": (round(statistics.median(planned.comm), 6)

@@ -4,8 +4,8 @@ SEEDS A's exception handling: on a communication interruption, retry
 automatically *or degrade to asynchronous updates*. The coordinator re-forms a
 broken ring (the retry); a ring re-formed `degrade_after` times, each within
 `degrade_window` rounds or `degrade_window_s` seconds of the one before, is taken for
-a fleet too unsteady for a ring, and the job goes on as an asynchronous one through the coordinator (a lost
-agent is only dropped). Once no agent has come or gone for `degrade_calm`
+a fleet too unsteady for a ring, and the job goes on as an asynchronous one through
+the coordinator (a lost agent is only dropped). Once no agent has come or gone for `degrade_calm`
 versions the job returns to the ring from the coordinator's model.
 
 Re-formations at the same round count once: one death is often reported by each

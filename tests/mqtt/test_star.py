@@ -40,6 +40,8 @@ def test_star_through_the_coordinator_matches_simulate(
     local = simulate(JobSpec.from_toml(job))
     assert summary["identical_models"] and summary["reformations"] == 0
     assert summary["centre_rounds"] == summary["rounds"] == 30
+    # no ring ran: the summary names the star, not a collective it never used
+    assert [c["chosen"] for c in summary["collective"]] == ["star"], summary["collective"]
     assert summary["model_hashes"] == local["model_hashes"]
     assert summary["final_accuracy"] == pytest.approx(local["final_accuracy"])
     # Up: one compressed update a round (group-top-k 1%, fp16 values): far below dense.
