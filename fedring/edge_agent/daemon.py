@@ -44,6 +44,7 @@ from fedring.engine.attack import Attack
 from fedring.engine.gate import CodeRefused
 from fedring.firmware_profiles.apply import runtime_rss
 from fedring.firmware_profiles.schema import Profile
+from fedring.monitor import JobFeed
 from fedring.training.datasets import DatasetError
 from fedring.training.models import flat_bytes, flat_sha256
 from fedring.training.sharding import ShardError
@@ -87,6 +88,7 @@ class AgentDaemon:
         self.attack = attack
         self.counters = Counters()
         self.codec = ControlCodec(me, counters=self.counters)
+        self.feed = JobFeed(counters=self.counters)  # what `--metrics-port` serves
         self.stop = threading.Event()
         self.link: MqttLink | None = None
         self.worker: JobWorker | None = None
@@ -201,6 +203,7 @@ class AgentDaemon:
                 self._join()
                 self._leave_job()
                 self.worker, self.awaiting = None, None
+                self.feed.finish(ok=True)
                 self.jobs_done += 1
                 self._announce("")  # in no job now
 
@@ -293,6 +296,7 @@ class AgentDaemon:
             uploaded[0] = r
 
         def on_round(r: int, row: dict[str, Any]) -> None:
+            self.feed.round(row)
             if head and (r + 1) % every == 0:
                 upload(r + 1)
             if self.me == seg.head or "accuracy" in row or "resynced" in row:
@@ -331,6 +335,9 @@ class AgentDaemon:
                 self._send(seg.job, "nack", {"epoch": seg.epoch, "committed": worker.committed,
                                              "why": f"error: {exc}"})  # fmt: skip
 
+        feed = self.feed  # the job's rows come in `on_round`
+        feed.job, feed.rounds, feed.agents = seg.job, worker.spec.rounds, len(seg.members)
+        feed.members(seg.members, "async" if seg.asynchronous else "ring")
         run.thread = threading.Thread(target=body, name=f"{self.me}-e{seg.epoch}", daemon=True)
         self.running = run
         self._send(seg.job, "ack", {"epoch": seg.epoch, "start_round": seg.start_round,
