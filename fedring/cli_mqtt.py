@@ -89,6 +89,18 @@ _KEEPALIVE = typer.Option(5, "--keepalive", min=2, max=600, help=_KEEPALIVE_HELP
 _AGENT_KEEPALIVE = typer.Option(
     None, "--keepalive", min=2, max=600, help=f"{_KEEPALIVE_HELP} [the profile's]"
 )
+_METRICS_PORT = typer.Option(
+    None, "--metrics-port", min=0, max=65535, metavar="PORT",
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; the URL "
+    "goes to stderr): rounds, bytes by kind, refusals, RSS, queues. [off]",
+)  # fmt: skip
+_METRICS_HOST = typer.Option(
+    "127.0.0.1", "--metrics-host", help="Address the metrics bind to. [loopback]"
+)
+_METRICS_HOLD = typer.Option(
+    0.0, "--metrics-hold", min=0, max=3600, metavar="S",
+    help="Keep /metrics up S seconds after the end, so that a scrape sees it. [0]",
+)  # fmt: skip
 
 
 def agent_cmd(
@@ -125,15 +137,21 @@ def agent_cmd(
         help="Test fixture for robust aggregation, never on by default: this agent poisons "
         "every job it joins: sign-flip | scale[:FACTOR] (-10) | noise[:SIGMA] | label-flip.",
     ),
+    metrics_port: int | None = _METRICS_PORT,
+    metrics_host: str = _METRICS_HOST,
+    metrics_hold: float = _METRICS_HOLD,
 ) -> None:
     """Run the agent daemon: enrol with the broker, train when a coordinator calls.
 
     Stops cleanly on SIGTERM or Ctrl-C: halts any round, publishes "offline", exits 0.
     """
     from fedring.edge_agent.daemon import AgentDaemon
+    from fedring.edge_agent.probe import agent_probe
     from fedring.engine.attack import Attack
     from fedring.firmware_profiles.apply import resolve, settings_for
     from fedring.firmware_profiles.schema import ProfileError
+    from fedring.monitor.prometheus import MetricsError
+    from fedring.monitor.serve import serving
     from fedring.transport.mqtt import (
         BrokerRefused,
         BrokerUnreachable,
@@ -172,7 +190,11 @@ def agent_cmd(
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        code = daemon.run()
+        with serving(daemon.feed, metrics_port=metrics_port, metrics_host=metrics_host,
+                     probe=agent_probe(daemon), metrics_hold_s=metrics_hold):  # fmt: skip
+            code = daemon.run()
+    except MetricsError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--metrics-port/--metrics-host") from None
     except (BrokerUnreachable, BrokerRefused) as exc:
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(1) from None

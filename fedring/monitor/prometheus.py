@@ -17,10 +17,12 @@ scrapes would never show its last round. `metrics_server` keeps answering for
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TextIO
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import (
@@ -214,17 +216,29 @@ def registry(feed: JobFeed, probe: Callable[[], Probe] | None = None) -> Collect
     return reg
 
 
+class MetricsError(Exception):
+    """The endpoint cannot start (a bad host, a port in use); the message names them."""
+
+
 @contextmanager
 def metrics_server(feed: JobFeed, port: int, host: str = "127.0.0.1", *,
-                   probe: Callable[[], Probe] | None = None,
-                   hold_s: float = 0.0) -> Iterator[int]:  # fmt: skip
+                   probe: Callable[[], Probe] | None = None, hold_s: float = 0.0,
+                   announce: TextIO | None = sys.stderr) -> Iterator[int]:  # fmt: skip
     """Serve ``/metrics`` on `host`:`port` (0: a free port) while the block runs, then
-    `hold_s` seconds more; yields the port. The server's thread is stopped and its
-    socket closed on the way out."""
-    server, thread = start_http_server(port, addr=host, registry=registry(feed, probe))
+    `hold_s` seconds more; yields the port. Its URL is written to `announce` (stderr;
+    None: not written). The server's thread is stopped and its socket closed
+    on the way out: the port is free when the block is left."""
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry(feed, probe))
+    except OSError as exc:  # in use, or an address this host does not have
+        raise MetricsError(
+            f"metrics cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from None
     bound = int(server.server_address[1])
-    level = logging.WARNING if port == 0 else logging.INFO  # a picked port must be seen
-    log.log(level, "metrics on http://%s:%d/metrics", host, bound)
+    url = f"http://{host}:{bound}/metrics"
+    if announce is not None:
+        announce.write(f"metrics on {url}\n")
+        announce.flush()
     try:
         yield bound
         if hold_s > 0:
