@@ -31,6 +31,7 @@ from fedring.coordinator.manifest import segment_docs
 from fedring.coordinator.membership import number
 from fedring.coordinator.options import Options
 from fedring.coordinator.port import ControlPort
+from fedring.coordinator.replica import Replica
 from fedring.engine.plan import Plan
 from fedring.engine.resync import Drift
 from fedring.monitor import JobFeed
@@ -62,6 +63,7 @@ class SegmentRunner(ControlPort):
         self.degrade = Degrade(spec)  # a ring that keeps breaking goes asynchronous
         self.collectives = CollectivePlans()  # each epoch's collective (`auto`: planned)
         self.replanning = False  # the epoch ends because `auto` re-plans, not a break
+        self.replica = Replica()  # the ring's model, patched by its members' checkpoints
         self.feed = opts.feed if opts.feed is not None else JobFeed()
         self.feed.counters = self.counters  # the views read the job's own counts
         self.feed.rounds, self.feed.agents = spec.rounds, spec.agents
@@ -134,6 +136,7 @@ class SegmentRunner(ControlPort):
         log.info("epoch %d: ring %s from round %d", ep.number, ep.members, ep.start)
         self.feed.members(ep.members, "star" if needs_centre(self.spec) else
                           "async" if self.asynchronous else "ring")  # fmt: skip
+        self.replica.clear()  # the segment's first checkpoint comes whole from the head
         # rounds after the start are run again (another ring may round differently)
         self.hashes = {r: seen for r, seen in self.hashes.items() if r <= ep.start}
         collective = self.collectives.plan(self.spec, ep.number, ep.members, self.fleet,
@@ -211,8 +214,8 @@ class SegmentRunner(ControlPort):
             self._note_nack(msg)
             verdict = decide.on_nack(msg.src, str(msg.doc.get("why", "")), self.asynchronous)
             return self._take(ep, msg.src, verdict)
-        elif msg.kind == "model" and msg.src == ep.members[0]:
-            self._checkpoint(ep, msg)
+        elif msg.kind == "model":
+            self._on_model(ep, msg)
             return "", True
         elif msg.kind == "bye":
             ep.done[msg.src] = msg.doc
@@ -251,7 +254,7 @@ class SegmentRunner(ControlPort):
             if self.t0 is not None:
                 row = {**row, "wall_s": round(time.perf_counter() - self.t0, 4)}
             self.last_row = row
-            row = self.collectives.tag(row)
+            row = {**self.collectives.tag(row), "dense_bytes": self._dense_sent(ep, rnd)}
             self.collectives.observe(self.spec, rnd, row)
             self.rows[rnd] = {k: v for k, v in row.items() if k not in ("sha256", "machine")}
             outputs.append_row(self.opts.out, self.rows[rnd])  # a crash keeps the history
@@ -260,6 +263,34 @@ class SegmentRunner(ControlPort):
                 self.opts.on_round(rnd - 1, row)
             return True
         return False
+
+    def _on_model(self, ep: Epoch, msg: ControlMessage) -> None:
+        """A member's patch of its slice (`replica`), or the head's whole model."""
+        if "from" not in msg.doc:
+            if msg.src == ep.members[0]:
+                self._checkpoint(ep, msg)
+            return
+        taken = self.replica.take(msg, ep.members[1:] or ep.members[:1])
+        if taken is None:
+            return
+        if taken.params is not None:
+            self._save(ep, taken.params, taken.round)
+            self._send(ep.members[0], "ack", {"epoch": ep.number, "round": taken.round})
+            return
+        self.counters.add("checkpoint_patch_refused")
+        log.warning("checkpoint of round %d: %s; asking %s for its whole model",
+                    taken.round, taken.why, ep.members[0])  # fmt: skip
+        self._send(ep.members[0], "ack",
+                   {"epoch": ep.number, "round": taken.round, "send": "model"})  # fmt: skip
+
+    def _dense_sent(self, ep: Epoch, rnd: int) -> int:
+        """Bytes a member would have sent by round `rnd` had every round been a dense fp32
+        exchange of the whole model (in a ring 2 (N - 1) / N of it, to a centre all of it):
+        the baseline the dashboard draws beside the head's `bytes_sent`."""
+        whole, n = 4 * self._plan().initial.numel(), len(ep.members)
+        step = whole if needs_centre(self.spec) else 2 * (n - 1) * whole // max(n, 1)
+        before = self.rows.get(rnd - 1, {}).get("dense_bytes")
+        return (before if isinstance(before, int) else (rnd - 1) * step) + step
 
     def _checkpoint(self, ep: Epoch, msg: ControlMessage) -> None:
         assert self.ck is not None
@@ -273,6 +304,7 @@ class SegmentRunner(ControlPort):
             log.error("checkpoint of round %d from %s: sha256 mismatch", msg.round, msg.src)
             return
         self._save(ep, params, msg.round)
+        self.replica.reset(params, msg.round)  # the members' next patches apply to it
         # The head waits for this before starting the round: agents never get more
         # than one round ahead of what a restarted coordinator can resume from.
         self._send(msg.src, "ack", {"epoch": ep.number, "round": msg.round})
@@ -312,8 +344,8 @@ class SegmentRunner(ControlPort):
             this_epoch = msg.job == self.ck.job and msg.doc.get("epoch") == ep.number
             if item.kind == "metrics" and this_epoch:
                 self._on_metrics(ep, msg)  # a round that ended before the halt may be held
-            if msg.kind == "model" and this_epoch and msg.src == ep.members[0]:
-                self._checkpoint(ep, msg)
+            if msg.kind == "model" and this_epoch:
+                self._on_model(ep, msg)
             if msg.kind in ("nack", "bye") and this_epoch:
                 waiting.discard(msg.src)
                 if msg.kind == "nack":

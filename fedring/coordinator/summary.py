@@ -25,6 +25,21 @@ class Centre:
     staleness: dict[int, int]
 
 
+SPLIT = ("ring", "checkpoint", "control")  # what a member's `link` bytes went to
+
+
+def sent_split(bye: dict[str, Any]) -> dict[str, int]:
+    """Every byte a member published in the job (`link`) and what it went to: the
+    collective's frames (`ring`, a star's exchanges included), the checkpoint stream
+    (the head's dense uploads, the members' patches) and the rest (`control`:
+    metrics rows, acks, nacks). number(): a member's string would raise."""
+    link = int(number(bye.get("link_bytes_sent")))
+    ring = int(number(bye.get("ring_bytes_sent")))
+    checkpoint = int(number(bye.get("checkpoint_bytes_sent")))
+    return {"ring": ring, "checkpoint": checkpoint,
+            "control": max(link - ring - checkpoint, 0), "link": link}  # fmt: skip
+
+
 def model_hashes(ep: Epoch) -> list[str]:
     """The distinct model hashes the members' byes carry, sorted (one: identical)."""
     return sorted({str(d.get("sha256")) for d in ep.done.values()})
@@ -53,11 +68,7 @@ def assemble(
     `onnx` is the export's result, None when not exported."""
     hashes = model_hashes(ep)
     head = ep.done.get(ep.members[0]) or next(iter(ep.done.values()))
-    agent_bytes = {  # number(): summed below, where a member's string would raise
-        a: {"ring": int(number(d.get("ring_bytes_sent"))),
-            "link": int(number(d.get("link_bytes_sent")))}
-        for a, d in ep.done.items()
-    }  # fmt: skip
+    agent_bytes = {a: sent_split(d) for a, d in ep.done.items()}
     summary: dict[str, Any] = {
         "job": job,
         "final_accuracy": head.get("accuracy", 0.0),
@@ -91,8 +102,11 @@ def assemble(
         summary["staleness"] = {str(k): v for k, v in sorted(centre.staleness.items())}
     if onnx is not None:
         summary["onnx"] = onnx
-    ring = [b["ring"] for b in agent_bytes.values()]
-    summary["bytes_sent_per_agent"] = sum(ring) / max(len(ring), 1)
+    n = max(len(agent_bytes), 1)
+    summary["bytes_sent_per_agent"] = sum(b["link"] for b in agent_bytes.values()) / n
+    summary["bytes_sent_per_agent_split"] = {
+        part: sum(b[part] for b in agent_bytes.values()) / n for part in SPLIT
+    }
     summary["layout"] = layout
     summary["collective"] = collective
     return summary

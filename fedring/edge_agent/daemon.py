@@ -35,6 +35,7 @@ from fedring.collective.channel import CollectiveError
 from fedring.compression.probe import codec_cost
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
+from fedring.edge_agent.checkpoint_stream import CheckpointStream
 from fedring.edge_agent.manifest import collective as _collective
 from fedring.edge_agent.manifest import read_segment, ring_view
 from fedring.edge_agent.running import Running
@@ -95,6 +96,8 @@ class AgentDaemon:
         self.endpoint: MqttEndpoint | None = None  # the worker's job: its ring bytes, all epochs
         self.centre: MqttEndpoint | None = None  # a star job's exchanges with the coordinator
         self.link_bytes_at_job = 0  # everything this agent published since the job began
+        self.checkpoint_bytes = 0  # "model" frames (dense uploads and patches), every job
+        self.checkpoint_bytes_at_job = 0
         self.running: Running | None = None
         self.counters_at_job: dict[str, int] = {}
         self.awaiting: Segment | None = None  # manifest received, checkpoint model not yet
@@ -194,7 +197,10 @@ class AgentDaemon:
         elif msg.kind == "ack":
             run = self.running
             if run is not None and msg.doc.get("epoch") == run.seg.epoch:
-                run.ack(int(msg.doc.get("round", 0)))
+                if msg.doc.get("send") == "model":  # its copy is off: the head's whole model
+                    run.want(int(msg.doc.get("round", 0)))
+                else:
+                    run.ack(int(msg.doc.get("round", 0)))
         elif msg.kind == "bye":
             epoch = msg.doc.get("epoch")
             why = msg.doc.get("why", "")
@@ -237,6 +243,7 @@ class AgentDaemon:
                     if opens_centre(spec) else None
                 )  # fmt: skip
                 self.link_bytes_at_job = self.link.stats.bytes_sent
+                self.checkpoint_bytes_at_job = self.checkpoint_bytes
                 self._announce(seg.job)
         except (KeyError, TypeError, ValueError, SpecError, ShardError, DatasetError) as exc:
             self.counters.add("job_refused")
@@ -280,12 +287,13 @@ class AgentDaemon:
     def _start(self, seg: Segment) -> None:
         assert self.link is not None and self.worker is not None and self.endpoint is not None
         worker, link, endpoint, centre = self.worker, self.link, self.endpoint, self.centre
+        checkpoint_at_job = self.checkpoint_bytes_at_job
         run = Running(seg, threading.Thread(), acked=seg.start_round)
         halt = run.halt
         patience = 3 * worker.spec.timeout_s
         every = worker.spec.checkpoint_every
         head = self.me == seg.head and not seg.asynchronous  # async: the centre's model
-        gate = (lambda r: run.gate(r, every, patience)) if head else None
+        stream = CheckpointStream(self.me, seg.members, worker.numel, dense=seg.mixed)
         uploaded = [seg.start_round]
 
         def upload(r: int) -> None:
@@ -293,12 +301,22 @@ class AgentDaemon:
             params = worker.params
             doc = {"round": r, "sha256": flat_sha256(params), "epoch": seg.epoch}
             self._send(seg.job, "model", doc, flat_bytes(params), round=r)
+
+        def checkpoint(r: int) -> None:
+            """The state at the start of round r: the head's dense upload where due,
+            a member's patch of its slice (`checkpoint_stream`)."""
+            if head and stream.dense_due():
+                upload(r)
+            if not seg.asynchronous and (patch := stream.checkpoint(r, worker.params, seg.epoch)):
+                self._send(seg.job, "model", patch[0], patch[1], round=r)
             uploaded[0] = r
+
+        gate = (lambda r: run.gate(r, every, patience, upload)) if head else None
 
         def on_round(r: int, row: dict[str, Any]) -> None:
             self.feed.round(row)
-            if head and (r + 1) % every == 0:
-                upload(r + 1)
+            if (r + 1) % every == 0:
+                checkpoint(r + 1)
             if self.me == seg.head or "accuracy" in row or "resynced" in row:
                 metrics = {k: v for k, v in row.items() if isinstance(v, int | float | str)}
                 if "accuracy" in row or "resynced" in row:
@@ -312,13 +330,14 @@ class AgentDaemon:
             try:
                 result = worker.run(seg, endpoint, self.codec.key or b"",
                                     self.counters, halt, on_round, gate, centre)  # fmt: skip
-                if head and uploaded[0] != worker.committed:
-                    upload(worker.committed)  # the final state, before the bye
+                if uploaded[0] != worker.committed:
+                    checkpoint(worker.committed)  # the final state, before the bye
                 result["epoch"] = seg.epoch
                 star = centre.stats.bytes_sent if centre is not None else 0
                 result["ring_bytes_sent"] = endpoint.stats.bytes_sent + star
                 # Up to here: the bye itself and what follows are not counted.
                 result["link_bytes_sent"] = link.stats.bytes_sent - self.link_bytes_at_job
+                result["checkpoint_bytes_sent"] = self.checkpoint_bytes - checkpoint_at_job
                 result["counters"] = self._job_counters()
                 result["threads"] = threading.active_count()
                 self._send(seg.job, "bye", result)
@@ -383,6 +402,8 @@ class AgentDaemon:
         try:
             for frame in self.codec.encode(kind, job, topics.COORDINATOR, doc, blob, round=round):
                 self.link.send_to(job, topics.COORDINATOR, frame, Deadline.after(SEND_S))
+                if kind == "model":
+                    self.checkpoint_bytes += len(frame)  # the split of `link_bytes_sent`
         except TransportError as exc:
             self.counters.add("send_failed")
             log.warning("%s could not send %s to the coordinator: %s", self.me, kind, exc)

@@ -14,9 +14,10 @@ def _epoch() -> Epoch:
     ep = Epoch(2, ["a0", "a1", "a2"], 10, gone={"a2"})
     ep.done = {
         "a1": {"sha256": "m", "accuracy": 0.5, "threads": 3, "ring_bytes_sent": 100,
-               "link_bytes_sent": 150, "counters": {"x": 1}},
+               "link_bytes_sent": 150, "checkpoint_bytes_sent": "lots",  # not a number: 0
+               "counters": {"x": 1}},
         "a0": {"sha256": "m", "accuracy": 0.9, "test_loss": 0.2, "rounds": 40,
-               "ring_bytes_sent": 300, "link_bytes_sent": "lots"},  # not a number: 0
+               "ring_bytes_sent": 300, "link_bytes_sent": 450, "checkpoint_bytes_sent": 90},
     }  # fmt: skip
     return ep
 
@@ -37,8 +38,13 @@ def test_the_head_speaks_for_the_job_and_every_member_is_counted() -> None:
     assert (s["final_accuracy"], s["test_loss"], s["rounds"]) == (0.9, 0.2, 40)
     assert s["model_hashes"] == ["m"] and s["identical_models"]
     assert s["epochs"] == 3 and s["reformations"] == 2 and s["lost"] == ["a2"]
-    assert s["agent_bytes"] == {"a1": {"ring": 100, "link": 150}, "a0": {"ring": 300, "link": 0}}
-    assert s["bytes_sent_per_agent"] == 200.0
+    # every byte a member sent, and what it went to: the ring, the checkpoint, the rest
+    assert s["agent_bytes"] == {
+        "a1": {"ring": 100, "checkpoint": 0, "control": 50, "link": 150},
+        "a0": {"ring": 300, "checkpoint": 90, "control": 60, "link": 450},
+    }
+    assert s["bytes_sent_per_agent"] == 300.0
+    assert s["bytes_sent_per_agent_split"] == {"ring": 200.0, "checkpoint": 45.0, "control": 55.0}
     assert s["machines"] == {"a0": "x86_64", "a1": "aarch64", "a2": ""}
     assert s["agent_threads"] == {"a1": 3, "a0": 0}
     assert "onnx" not in s and "staleness" not in s

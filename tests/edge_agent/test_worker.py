@@ -92,3 +92,20 @@ def test_the_ring_frame_size_from_the_manifest_is_used() -> None:
     # 2 rounds x 2 ring steps, each half of 69 KB in 8 KiB frames: > 4 frames each.
     assert all(e.stats.frames_sent >= 2 * 2 * 4 for e in ends)
     assert all(e.stats.bytes_sent / e.stats.frames_sent <= 8192 for e in ends)
+
+
+def test_a_head_asked_for_its_whole_model_sends_it_and_still_waits_for_the_ack() -> None:
+    run = _Running(_segment(), threading.Thread(), acked=4)
+    sent: list[int] = []
+
+    def upload(r: int) -> None:
+        sent.append(r)
+        run.ack(r)  # the coordinator saves it and acks
+
+    run.want(5)
+    run.gate(5, every=1, patience=1.0, upload=upload)
+    assert sent == [5] and run.acked == 5
+    run.want(3)  # a request for another round than the one waited at: not sent
+    with pytest.raises(CollectiveTimeout):
+        run.gate(6, every=1, patience=0.05, upload=upload)
+    assert sent == [5]

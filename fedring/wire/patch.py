@@ -1,0 +1,77 @@
+"""A checkpoint patch: the float32 entries of one slice of a flat vector that changed.
+
+A ring member sends the coordinator, every checkpoint round, the entries of its
+slice ``[lo, hi)`` of the parameters that differ (bit for bit) from the last
+checkpoint's; the coordinator writes them into its copy and has the new model
+exactly (`coordinator.replica`). After a sparse round only a few entries move, so
+a patch lists them: indices from ``lo`` (uint16 when the slice is short enough,
+else int32) then their float32 values. Where most entries moved (a dense update,
+momentum), the whole slice goes as float32 (``index = "dense"``): never more than
+4 bytes an entry.
+
+    >>> import numpy as np
+    >>> old = np.zeros(6, dtype=np.float32); new = old.copy(); new[4] = 1.5
+    >>> doc, blob = encode_patch(old, new, lo=10)
+    >>> doc, len(blob)
+    ({'lo': 10, 'hi': 16, 'n': 1, 'index': 'u2'}, 6)
+    >>> target = np.zeros(20, dtype=np.float32)
+    >>> apply_patch(target, doc, blob); float(target[14])
+    1.5
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fedring.wire.errors import FrameError, FrameReason
+
+_INDEX: dict[str, np.dtype[Any]] = {"u2": np.dtype("<u2"), "i4": np.dtype("<i4")}
+_VALUE = np.dtype("<f4")
+
+
+def encode_patch(old: np.ndarray, new: np.ndarray, *, lo: int) -> tuple[dict[str, Any], bytes]:
+    """The patch turning slice `old` into `new` (float32, same length), placed at `lo`."""
+    if old.shape != new.shape or old.dtype != np.float32 or new.dtype != np.float32:
+        raise ValueError(f"slices of {old.shape}/{old.dtype} and {new.shape}/{new.dtype}")
+    n = int(new.size)
+    changed = np.flatnonzero(old.view(np.uint32) != new.view(np.uint32))  # bits, NaN too
+    index = "u2" if n <= 1 << 16 else "i4"
+    doc: dict[str, Any] = {"lo": lo, "hi": lo + n}
+    if len(changed) * (_INDEX[index].itemsize + 4) >= 4 * n:
+        return {**doc, "n": n, "index": "dense"}, new.astype(_VALUE).tobytes()
+    values = new[changed].astype(_VALUE)
+    return {**doc, "n": len(changed), "index": index}, (
+        changed.astype(_INDEX[index]).tobytes() + values.tobytes()
+    )
+
+
+def apply_patch(target: np.ndarray, doc: dict[str, Any], blob: bytes) -> None:
+    """Write the patch into `target` (the whole flat float32 vector), after checking
+    every field against it: a malformed patch raises `FrameError` naming the field
+    and changes nothing."""
+    lo, hi, n, index = (doc.get(k) for k in ("lo", "hi", "n", "index"))
+    size = int(target.size)
+    if type(lo) is not int or type(hi) is not int or not 0 <= lo < hi <= size:
+        raise FrameError(FrameReason.SHAPE_MISMATCH,
+                         f"patch slice lo={lo!r:.20} hi={hi!r:.20} of {size} entries")  # fmt: skip
+    if type(n) is not int or not 0 <= n <= hi - lo:
+        raise FrameError(FrameReason.SHAPE_MISMATCH, f"patch n={n!r:.20} for {hi - lo} entries")
+    if index == "dense":
+        if n != hi - lo or len(blob) != 4 * n:
+            raise FrameError(FrameReason.SHAPE_MISMATCH,
+                             f"dense patch of {len(blob)} bytes for {hi - lo} entries")  # fmt: skip
+        target[lo:hi] = np.frombuffer(blob, dtype=_VALUE)
+        return
+    if index not in _INDEX:
+        raise FrameError(FrameReason.BAD_DTYPE, f"patch index={index!r:.20}: u2, i4 or dense")
+    width = _INDEX[index].itemsize
+    if len(blob) != n * (width + 4):
+        raise FrameError(FrameReason.SHAPE_MISMATCH,
+                         f"patch of {len(blob)} bytes for {n} entries of {width} + 4")  # fmt: skip
+    at = np.frombuffer(blob, dtype=_INDEX[index], count=n).astype(np.int64)
+    if n and (at[0] < 0 or at[-1] >= hi - lo or bool(np.any(np.diff(at) <= 0))):
+        raise FrameError(FrameReason.INDEX_OUT_OF_RANGE,
+                         f"patch indices not increasing within [0, {hi - lo})")  # fmt: skip
+    target[lo + at] = np.frombuffer(blob, dtype=_VALUE, count=n, offset=n * width)
