@@ -8,7 +8,8 @@ and retained topics. With `users`, it writes a password file (via
 does, makes each client's id its user name (no one can take over another's id);
 `acl` is a path to an ACL file. With `tls`, the listener speaks TLS only.
 ``nodelay=False`` leaves out ``set_tcp_nodelay true``: a broker that Nagles its small
-writes, as a default Mosquitto does (tests of the client's check for one).
+writes, as a default Mosquitto does (tests of the client's check for one). `limits`
+imitates a managed broker's: `AWS_IOT_CORE` caps a packet at 128 KiB and QoS at 1.
 """
 
 from __future__ import annotations
@@ -46,6 +47,25 @@ def mosquitto_binary() -> str:
 
 
 @dataclass(frozen=True)
+class BrokerLimits:
+    """What a broker refuses, in Mosquitto's terms (0: Mosquitto's default)."""
+
+    max_packet_size: int = 0  # bytes of one packet; MQTT 5 clients read it in the CONNACK
+    max_qos: int = 2  # a higher QoS is downgraded (MQTT 5 CONNACK: Maximum QoS)
+    retain_available: bool = True  # false: a retained publish is refused
+
+    def lines(self) -> list[str]:
+        return [*([f"max_packet_size {self.max_packet_size}"] if self.max_packet_size else []),
+                f"max_qos {self.max_qos}",
+                f"retain_available {'true' if self.retain_available else 'false'}"]  # fmt: skip
+
+
+# AWS IoT Core's message broker: 128 KB a message, QoS 0 and 1 only. It keeps retained
+# messages (since 2021), so retain stays on. See docs/operations/brokers.md.
+AWS_IOT_CORE = BrokerLimits(max_packet_size=128 * 1024, max_qos=1)
+
+
+@dataclass(frozen=True)
 class TlsListener:
     """The broker's side of TLS: its certificate, and the CA its clients' certificates need."""
 
@@ -69,6 +89,7 @@ class Mosquitto:
         prefix: Sequence[str] = (),
         tls: TlsListener | None = None,
         nodelay: bool = True,
+        limits: BrokerLimits | None = None,
     ) -> None:
         self.binary = mosquitto_binary()
         self.host = host
@@ -83,6 +104,7 @@ class Mosquitto:
         self.sys_interval = sys_interval
         self.tls = tls
         self.nodelay = nodelay
+        self.limits = limits
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = self.dir / "mosquitto.log"
 
@@ -99,7 +121,7 @@ class Mosquitto:
             f"allow_anonymous {'false' if self.users else 'true'}",
             "max_inflight_messages 100",
             "max_queued_messages 10000",
-            "message_size_limit 1048576",
+            *(self.limits.lines() if self.limits else ["message_size_limit 1048576"]),
             f"sys_interval {self.sys_interval}",
             f"log_dest file {self.log}",
             "log_type error",

@@ -15,7 +15,7 @@ import ssl
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.properties import Properties
@@ -34,6 +34,11 @@ class BrokerRefused(TransportError):
 class BrokerTlsError(BrokerRefused):
     """TLS failed: an unreadable CA/certificate/key file, a broker certificate our CA does
     not trust, or a broker that wants a client certificate we did not give."""
+
+
+class MessageTooLarge(TransportError):
+    """A message the broker would refuse for its size, and that cannot be cut into parts
+    (a retained one: only the last part would be kept)."""
 
 
 class IdentityMismatch(ValueError):
@@ -91,10 +96,20 @@ class BrokerConfig:
     max_inbox_items: int = 10_000  # items held in each incoming queue
     connect_timeout_s: float = 15.0
     heartbeat: bool = True  # beat on agents/{id}/beat (QoS 0): watchers see a hung board
+    # The broker's cap on one PUBLISH packet, in bytes (0: none known). An MQTT 5 broker
+    # announces its own in the CONNACK, and the smaller of the two holds; a message over
+    # it is cut into parts (`mqtt_parts`). From the URL: ``?max_message=128k``.
+    max_message_bytes: int = 0
 
     @classmethod
     def parse(cls, url: str, **options: Any) -> BrokerConfig:
-        """``mqtt://HOST[:PORT]`` (1883) or ``mqtts://HOST[:PORT]`` (8883, TLS)."""
+        """``mqtt://HOST[:PORT]`` (1883) or ``mqtts://HOST[:PORT]`` (8883, TLS), with
+        optional query options ``max_message`` (the broker's packet cap: bytes, or with a
+        ``k``/``m`` suffix for KiB/MiB) and ``protocol`` (``3.1.1``, ``5`` or ``auto``).
+
+        >>> BrokerConfig.parse("mqtt://h?max_message=128k&protocol=auto").max_message_bytes
+        131072
+        """
         parts = urlsplit(url)
         if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
             raise ValueError(
@@ -105,11 +120,46 @@ class BrokerConfig:
             port = parts.port or (8883 if tls else 1883)
         except ValueError:
             raise ValueError(f"--broker {url!r}: the port must be a number in [1, 65535]") from None
-        return cls(parts.hostname, port, tls=tls, **options)
+        return cls(parts.hostname, port, tls=tls, **{**_query_options(url, parts.query),
+                                                     **options})  # fmt: skip
 
     @property
     def url(self) -> str:
         return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+# The link's bandwidth probe publishes 64 KiB pieces whole: a smaller cap would refuse them.
+MIN_MAX_MESSAGE = 64 * 1024 + 1024
+_PROTOCOLS = ("auto", "5", "3.1.1")
+
+
+def _query_options(url: str, query: str) -> dict[str, Any]:
+    """The broker URL's query options as `BrokerConfig` fields; a bad one is named."""
+    options: dict[str, Any] = {}
+    for name, values in parse_qs(query, keep_blank_values=True, strict_parsing=False).items():
+        value = values[-1]
+        if name == "max_message":
+            options["max_message_bytes"] = _size(url, value)
+        elif name == "protocol":
+            if value not in _PROTOCOLS:
+                raise ValueError(f"--broker {url!r}: protocol={value!r} must be one of "
+                                 f"{', '.join(_PROTOCOLS)}")  # fmt: skip
+            options["protocol"] = value
+        else:
+            raise ValueError(f"--broker {url!r}: unknown option {name!r} (known: max_message, "
+                             "protocol)")  # fmt: skip
+    return options
+
+
+def _size(url: str, text: str) -> int:
+    scale = {"k": 1024, "m": 1024 * 1024}.get(text[-1:].lower(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit() or int(digits) * scale < MIN_MAX_MESSAGE:
+        raise ValueError(
+            f"--broker {url!r}: max_message={text!r} must be a size of at least "
+            f"{MIN_MAX_MESSAGE} bytes (a number, or with k or m for KiB or MiB)"
+        )
+    return int(digits) * scale
 
 
 def tls_set(client: mqtt.Client, cfg: BrokerConfig) -> None:

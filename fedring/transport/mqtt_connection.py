@@ -3,19 +3,22 @@
 `Connection` owns the paho client and everything about the session with the broker:
 connecting (MQTT 5 falling back to 3.1.1 when asked, a refused connection retried
 briefly, TLS errors named), the retained presence and the will that marks us ``lost``,
-and the reconnects paho makes with backoff and jitter. What the link does on top
+the reconnects paho makes with backoff and jitter, and the broker's cap on a packet:
+a message over it leaves in parts and arrives joined (`mqtt_parts`). What the link does on top
 (subscribing, reading messages, watching peers, stepping back for another holder of our
 id: `mqtt_session`) it hears through `Hooks`.
 
 Locking: paho's network thread runs the `on_*` callbacks; the caller's thread runs
-`connect` and `publish`. They share only the `connected` and `ready` events
-and the ``closed`` flag (set once, never cleared); the rest is written before
-``loop_start`` or on paho's thread alone.
+`connect` and `publish`. They share only the `connected` and `ready` events,
+the ``closed`` flag (set once, never cleared) and ``broker_max`` (an int, written at
+each CONNACK); the rest is written before ``loop_start`` or on paho's thread alone
+(the `Joiner`), or on the caller's alone (the message ids).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -46,12 +49,18 @@ from fedring.transport.mqtt_broker import (
     BrokerRefused,
     BrokerTlsError,
     BrokerUnreachable,
+    MessageTooLarge,
     open_socket,
     tls_hint,
     tls_set,
 )
+from fedring.transport.mqtt_parts import Joiner, PartError, is_part, packet_size, split_message
 
 log = logging.getLogger("fedring.transport.mqtt")
+
+# A drop right after a packet larger than this, with no cap known, is likely the broker's
+# cap (EMQX's default is 1 MiB, AWS IoT Core's 128 KB; no broker caps below 64 KiB here).
+SUSPECT_CAP = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,17 @@ class Connection:
         self._ready = threading.Event()  # the broker answered our CONNECT (or TLS failed)
         self.resumed = False  # the latest subscription was made on a reconnect
         self._hooks: Hooks | None = None
+        self.broker_max = 0  # MQTT 5: the Maximum Packet Size of the broker's CONNACK
+        self._largest = 0  # bytes of the largest packet published since we last connected
+        self._joiner = Joiner(max_bytes=cfg.max_inbox_bytes)
+        self._msg_ids = itertools.count(int.from_bytes(os.urandom(4), "big") << 16)
+
+    @property
+    def max_message(self) -> int:
+        """The broker's cap on one PUBLISH packet, in bytes: the smaller of the URL's
+        ``max_message`` and the CONNACK's Maximum Packet Size (0: none known)."""
+        known = [b for b in (self.cfg.max_message_bytes, self.broker_max) if b > 0]
+        return min(known, default=0)
 
     def connect(self, hooks: Hooks) -> None:
         """Connect (falling back to MQTT 3.1.1 if asked or needed) and announce presence."""
@@ -156,11 +176,13 @@ class Connection:
             self._connack = (False, f"TLS: {text}")
             self._ready.set()
 
-    def _on_connect(self, client: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
+    def _on_connect(self, client: mqtt.Client, _u: Any, _f: Any, rc: Any, props: Any) -> None:
         if rc.is_failure:
             self._connack = (False, str(rc))
             self._ready.set()
             return
+        self._read_connack(props)
+        self._largest = 0
         sock = client.socket()
         if isinstance(sock, socket.socket):  # small QoS 1 frames: Nagle would add ~40 ms each
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -178,6 +200,21 @@ class Connection:
         self.connected.set()
         self._ready.set()
 
+    def _read_connack(self, props: Any) -> None:
+        """What an MQTT 5 broker announced: its packet cap (we cut messages below it) and
+        whether it keeps retained messages (presence and hellos need them)."""
+        if not self.v5 or props is None:
+            return
+        cap = int(getattr(props, "MaximumPacketSize", 0) or 0)
+        if cap != self.broker_max:
+            log.info("broker %s takes packets of at most %d bytes: larger messages leave "
+                     "in parts", self.cfg.url, cap)  # fmt: skip
+        self.broker_max = cap
+        if getattr(props, "RetainAvailable", 1) == 0:
+            self.counters.add("mqtt_no_retain")
+            log.error("broker %s does not keep retained messages: fedring's presence and "
+                      "hellos need them (docs/operations/brokers.md)", self.cfg.url)  # fmt: skip
+
     def _on_disconnect(self, _c: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
         self.connected.clear()
         if self._hooks is not None:
@@ -185,9 +222,21 @@ class Connection:
         if not self.closed and self._connack is not None and self._connack[0]:
             self.counters.add("mqtt_disconnect")
             log.warning("%s lost the broker %s (%s); reconnecting", self.me, self.cfg.url, rc)
+            if self._largest > SUSPECT_CAP and not self.max_message:
+                # A broker with a packet cap it cannot announce (MQTT 3.1.1) drops the
+                # client that exceeds it; paho then resends the message at every reconnect.
+                self.counters.add("mqtt_drop_after_large")
+                log.error("%s: broker %s dropped us after a packet of %d bytes: if it caps "
+                          "packet size (AWS IoT Core: 128 KB), give the cap in the broker URL, "
+                          "e.g. ?max_message=128k, or use ?protocol=auto so an MQTT 5 broker "
+                          "can announce it", self.me, self.cfg.url, self._largest)  # fmt: skip
 
-    def _on_ack(self, client: mqtt.Client, *_: Any) -> None:
+    def _on_ack(self, client: mqtt.Client, _u: Any, mid: int, rc: Any, _p: Any) -> None:
         quick_ack(client)
+        if getattr(rc, "is_failure", False):  # MQTT 5: the broker took it but dropped it
+            self.counters.add("mqtt_publish_refused")
+            log.error("%s: broker %s refused message %d: %s (too large? see "
+                      "docs/operations/brokers.md)", self.me, self.cfg.url, mid, rc)  # fmt: skip
 
     def _on_own_status(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
         assert self._hooks is not None
@@ -197,17 +246,61 @@ class Connection:
         quick_ack(client)
         try:
             assert self._hooks is not None
-            self._hooks.received(msg.topic, bytes(msg.payload), bool(msg.retain))
+            payload = bytes(msg.payload)
+            whole = self._join(msg.topic, payload, msg.retain) if is_part(payload) else payload
+            if whole is not None:
+                self._hooks.received(msg.topic, whole, bool(msg.retain))
         except Exception:  # a callback that raises would stop paho's network loop
             self.counters.add("mqtt_callback_error")
             log.exception("%s: error handling a message on %s", self.me, msg.topic)
 
+    def _join(self, topic: str, part: bytes, retained: bool) -> bytes | None:
+        """The message `part` completes (None until then, or if it is refused)."""
+        abandoned = self._joiner.abandoned
+        try:
+            if retained:  # we never retain parts: only the last would be kept
+                raise PartError(f"retained part on {topic}")
+            return self._joiner.add(topic, part)
+        except PartError as exc:
+            self.counters.add("mqtt_part_refused")
+            log.warning("%s refused a message part: %s", self.me, exc)
+            return None
+        finally:
+            if self._joiner.abandoned > abandoned:
+                self.counters.add("mqtt_part_abandoned", self._joiner.abandoned - abandoned)
+
     # -- the caller's thread ------------------------------------------------------------
 
     def publish(self, topic: str, data: bytes, deadline: Deadline, *, retain: bool = False) -> None:
-        """QoS 1 publish; waits for room in the outgoing queue until `deadline`."""
+        """QoS 1 publish, in parts if it exceeds the broker's cap (`max_message`); waits
+        for room in the outgoing queue until `deadline`. Never QoS 2: some brokers (AWS
+        IoT Core) refuse it."""
         if self.closed or self.client is None:
             raise EndpointClosed(f"link {self.me!r} is closed")
+        cap = self.max_message
+        if cap and packet_size(topic, len(data), self.v5) > cap:
+            if retain:
+                self.counters.add("mqtt_too_large")
+                raise MessageTooLarge(
+                    f"retained message of {len(data)} bytes on {topic} exceeds the broker's "
+                    f"packet cap of {cap} bytes (max_message): a retained message cannot be "
+                    "sent in parts"
+                )
+            try:
+                parts = split_message(topic, data, cap, next(self._msg_ids))
+            except PartError as exc:
+                raise MessageTooLarge(f"{exc} (max_message)") from None
+            self.counters.add("mqtt_parts_sent", len(parts))
+        else:
+            parts = [data]
+        for part in parts:
+            self._publish_one(topic, part, deadline, retain)
+        self._largest = max(self._largest, packet_size(topic, len(parts[0]), self.v5))
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += sum(map(len, parts))
+
+    def _publish_one(self, topic: str, data: bytes, deadline: Deadline, retain: bool) -> None:
+        assert self.client is not None  # checked by `publish`
         while True:
             info = self.client.publish(topic, data, qos=1, retain=retain)
             if info.rc == mqtt.MQTT_ERR_SUCCESS or info.rc == mqtt.MQTT_ERR_NO_CONN:
@@ -218,8 +311,6 @@ class Connection:
                 self.counters.add("send_queue_full")
                 raise TransportTimeout(f"outgoing queue of {self.me!r} stayed full")
             time.sleep(0.005)
-        self.stats.frames_sent += 1
-        self.stats.bytes_sent += len(data)
 
     def _stop_client(self) -> None:
         if self.client is not None:
