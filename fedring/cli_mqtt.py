@@ -234,15 +234,32 @@ def coordinator_run(
         "pipeline_stages and agents to S; an S x D grid comes from the job file: agents = "
         "S x D; docs/pipeline.md). [the job file's]",
     ),
+    dashboard: int | None = typer.Option(
+        None, "--dashboard", min=0, max=65535, metavar="PORT",
+        help="Serve a live dashboard of the job on PORT (0: a free one; the URL goes to "
+        "stderr): curves, bytes, ring, events. Read-only. [off]",
+    ),
+    dashboard_host: str = typer.Option(
+        "127.0.0.1", "--dashboard-host", help="Address the dashboard binds to. [loopback]"
+    ),
+    metrics_port: int | None = _METRICS_PORT,
+    metrics_host: str = _METRICS_HOST,
+    metrics_hold: float = _METRICS_HOLD,
 ) -> None:
     """Enrol agents, shard the data, run the rounds, checkpoint every round, report."""
+    from contextlib import ExitStack
+
     from fedring.config import JobSpec
     from fedring.coordinator.checkpoint import CheckpointError
     from fedring.coordinator.lease import CoordinatorBusy, lock_folder
     from fedring.coordinator.pipeline import PipelineCoordinator
+    from fedring.coordinator.probe import RunnerProbe
     from fedring.coordinator.service import Coordinator, CoordinatorError, Options
     from fedring.monitor import JobFeed
+    from fedring.monitor.dashboard import DashboardError
     from fedring.monitor.progress import ProgressLine
+    from fedring.monitor.prometheus import MetricsError
+    from fedring.monitor.serve import serving
     from fedring.transport.mqtt import BrokerRefused, BrokerUnreachable
 
     cfg = broker_config(broker, username, password_file, ca, cert, key, keepalive)
@@ -260,13 +277,25 @@ def coordinator_run(
     except CoordinatorBusy as exc:
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
-    feed = JobFeed(rounds=spec.rounds, agents=min_agents or spec.agents)
-    with lock, ProgressLine(feed, quiet=quiet):
+    feed, probe = JobFeed(rounds=spec.rounds, agents=min_agents or spec.agents), RunnerProbe()
+    with lock, ExitStack() as views:
+        try:
+            views.enter_context(serving(feed, dashboard_port=dashboard, host=dashboard_host,
+                                        metrics_port=metrics_port, metrics_host=metrics_host,
+                                        probe=probe, metrics_hold_s=metrics_hold))  # fmt: skip
+        except DashboardError as exc:
+            err.print(f"[red]error: --dashboard: {escape(str(exc))}[/red]")
+            raise typer.Exit(2) from None
+        except MetricsError as exc:
+            err.print(f"[red]error: --metrics-port: {escape(str(exc))}[/red]")
+            raise typer.Exit(2) from None
+        views.enter_context(ProgressLine(feed, quiet=quiet))
         opts = Options(out=out, min_agents=min_agents, enrol_timeout_s=enrol_timeout,
                        resume=resume, export_onnx=onnx, feed=feed)  # fmt: skip
         piped = spec.pipeline_stages > 1  # an S x D grid of agents: `coordinator.pipeline`
         try:
-            summary = (PipelineCoordinator if piped else Coordinator)(spec, cfg, opts).run()
+            probe.runner = (PipelineCoordinator if piped else Coordinator)(spec, cfg, opts)
+            summary = probe.runner.run()
         except CheckpointError as exc:
             err.print(f"[red]error: {escape(str(exc))}[/red]")
             raise typer.Exit(2) from None
