@@ -29,9 +29,7 @@ def agent_probe(daemon: AgentDaemon) -> Callable[[], Probe]:
         sent: dict[str, int] = {}
         if endpoint is not None:  # in a job (or after one, until the next)
             ring = endpoint.stats.bytes_sent + (centre.stats.bytes_sent if centre else 0)
-            # 0 where the daemon does not count its model frames apart (older daemons)
-            checkpoint = getattr(daemon, "checkpoint_bytes", 0) - getattr(
-                daemon, "checkpoint_bytes_at_job", 0)  # fmt: skip
+            checkpoint = daemon.checkpoint_bytes - daemon.checkpoint_bytes_at_job
             job = link.stats.bytes_sent - daemon.link_bytes_at_job
             sent = {"ring": ring, "checkpoint": checkpoint,
                     "control": max(job - ring - checkpoint, 0)}  # fmt: skip

@@ -109,7 +109,8 @@ def _gauge(name: str, doc: str, value: float, unit: str = "") -> GaugeMetricFami
 
 def _job(snap: Snapshot, probe: Probe) -> Iterator[Metric]:
     info = InfoMetricFamily("fedring_job", "The job this process runs.")
-    info.add_metric([], {"job": snap.job, "layout": snap.layout, **probe.info})
+    # job_id, not job: Prometheus gives every target a `job` label of its own
+    info.add_metric([], {"job_id": snap.job, "layout": snap.layout, **probe.info})
     yield info
     phase = GaugeMetricFamily("fedring_job_phase", "1 for the job's current phase.",
                               labels=["phase"])  # fmt: skip
