@@ -148,7 +148,7 @@ def agent_cmd(
     from fedring.edge_agent.daemon import AgentDaemon
     from fedring.edge_agent.probe import agent_probe
     from fedring.engine.attack import Attack
-    from fedring.firmware_profiles.apply import resolve, settings_for
+    from fedring.firmware_profiles.apply import RUNTIME_MB, resolve, settings_for
     from fedring.firmware_profiles.schema import ProfileError
     from fedring.monitor.prometheus import MetricsError
     from fedring.monitor.serve import serving
@@ -182,7 +182,11 @@ def agent_cmd(
         raise typer.BadParameter(str(exc), param_hint="--profile") from None
     except TopicError as exc:
         raise typer.BadParameter(str(exc), param_hint="--id") from None
-    logging.getLogger(__name__).info("profile %s (%s)", board.name, why)
+    logging.getLogger(__name__).info(
+        "profile %s (%s): RAM budget %d MB (+%d MB runtime allowance), %d torch threads; "
+        "--profile NAME for another", board.name, why, board.ram_budget_mb, RUNTIME_MB,
+        settings.torch_threads,
+    )  # fmt: skip
 
     def stop(signum: int, _frame: Any) -> None:
         daemon.stop.set()

@@ -163,6 +163,7 @@ class PipelineCoordinator:
             why = ("no spare board is enrolled" if not spares
                    else "no complete checkpoint to re-form from" if ckpt.step < 0
                    else f"gave up after {job.epoch + 1} epochs")  # fmt: skip
+            log.error("pipeline job %s cannot re-form: %s; %s", job.job, exc, why)
             raise StageLost(f"{exc}; {why}", exc.stage, exc.agent, exc.replica) from None
         members = list(job.members)
         index = job.index_of(exc.agent)
@@ -292,7 +293,9 @@ class PipelineCoordinator:
         kept = (f"last complete checkpoint: step {ckpt.step} in {ckpt.dir}" if ckpt.step >= 0
                 else "no complete checkpoint yet")  # fmt: skip
         message = f"pipeline job {job.job}: {why}; {kept}"
-        log.error("%s", message)
+        # A lost stage is re-formed on a spare when one is enrolled (`_reform`): a
+        # warning here, an error there only if it cannot be.
+        log.log(logging.WARNING if kind is StageLost else logging.ERROR, "%s", message)
         online = {a for a in job.members if a != gone and self.fleet.online(a)}
         for agent in online:
             self.fleet.send(job.job, agent, "bye", {"epoch": job.epoch, "why": "halt"})

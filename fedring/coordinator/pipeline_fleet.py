@@ -23,6 +23,8 @@ from fedring.transport.mqtt import BrokerConfig, Control, MqttLink
 from fedring.wire.control import ControlCodec, ControlMessage
 
 log = logging.getLogger(__name__)
+
+SETTLE_S = 1.0  # after enough hellos: the rest of the retained burst, for the order by id
 SEND_S = 30.0
 
 
@@ -63,7 +65,11 @@ class StageFleet:
                              watch=True, counters=counters)  # fmt: skip
 
     def enrol(self, want: int, timeout_s: float) -> list[str]:
-        """The first `want` agents by id, once that many are online with a hello."""
+        """The first `want` agents by id, once that many are online with a hello.
+
+        Once `want` are there it listens `SETTLE_S` more: the broker hands over the
+        retained hellos of boards already online in one burst, in no set order, and a
+        board with a lower id must not become the spare for arriving a moment late."""
         deadline = Deadline.after(timeout_s)
         log.info("waiting for %d agents on %s", want, self.cfg.url)
         while len(self.ready()) < want:
@@ -72,6 +78,9 @@ class StageFleet:
                 raise refused(self.counters, "enrol_timeout", f"only {len(have)} of {want} "
                               f"agents enrolled within {timeout_s:g} s: {have}")  # fmt: skip
             self.next(0.2)
+        settle = Deadline.after(SETTLE_S)
+        while not settle.expired:
+            self.next(0.1)
         members = sorted(self.ready())[:want]
         log.info("pipeline: stages on %s", members)
         return members
