@@ -163,11 +163,19 @@ def simulate_cmd(
         "RMS, 10) | label-flip (summary: attack).",
     ),
     attackers: int = typer.Option(1, "--attackers", min=1, help="With --attack: how many. [1]"),
+    dashboard: int | None = typer.Option(
+        None, "--dashboard", min=0, max=65535, metavar="PORT",
+        help="Serve a live dashboard of the run on PORT (0: a free one; the URL goes to "
+        "stderr). Read-only. [off]",
+    ),
+    dashboard_host: str = typer.Option(
+        "127.0.0.1", "--dashboard-host", help="Address the dashboard binds to. [loopback]"
+    ),
 ) -> None:
     """Train N agents in one process over the in-process transport (real frames)."""
     given = {k: v for k, v in locals().items() if v is not None}  # before any other local
     cli_only = ("config", "out", "as_json", "fleet", "with_dense", "attack", "attackers",
-                "quiet")
+                "quiet", "dashboard", "dashboard_host")
     flags = {k: v for k, v in given.items() if k not in cli_only}
     if flags.get("density", "auto") != "auto":
         try:
@@ -177,6 +185,8 @@ def simulate_cmd(
             raise typer.Exit(2) from None
     from fedring.config import JobSpec
     from fedring.engine.attack import Attack
+    from fedring.monitor.dashboard import DashboardError
+    from fedring.monitor.serve import serving
     from fedring.report import write_report_for
     from fedring.sim import fleet as fleet_clock
     from fedring.sim.report import BASELINE_KEYS, dense_twin, write_outputs
@@ -206,7 +216,8 @@ def simulate_cmd(
     baseline = None
     try:
         feed = sim_feed(spec, spec.compression)
-        with ProgressLine(feed, quiet=quiet):
+        with serving(feed, dashboard_port=dashboard, host=dashboard_host), \
+                ProgressLine(feed, quiet=quiet):  # fmt: skip
             summary = simulate(spec, on_round=lambda _r, row: feed.round(row), on_done=done,
                                fleet=profiles, attack=harness, attackers=attackers)  # fmt: skip
             feed.finish()
@@ -216,7 +227,7 @@ def simulate_cmd(
                 baseline = simulate(dense_spec, fleet=profiles,
                                     on_round=lambda _r, row: twin.round(row))  # fmt: skip
                 twin.finish()
-    except (ValueError, FileNotFoundError) as exc:  # refused input: shards, model, dataset
+    except (ValueError, FileNotFoundError, DashboardError) as exc:  # refused input, a busy port
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
     except Exception as exc:

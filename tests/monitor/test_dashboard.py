@@ -256,3 +256,27 @@ def _check_page(page: Any, url: str, tmp_path: Path) -> None:
     assert "fewer bytes" in (page.text_content("#ratio") or "")
     page.screenshot(path=str(tmp_path / "dashboard.png"))
     assert not problems, problems  # no script error, no CSP refusal, nothing fetched elsewhere
+
+
+def test_simulate_serves_the_dashboard_while_it_runs(tmp_path: Path) -> None:
+    args = [sys.executable, "-m", "fedring", "simulate", "--agents", "2", "--dataset", "digits",
+            "--rounds", "3000", "--quiet", "--dashboard", "0"]  # fmt: skip
+    log = tmp_path / "simulate.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err, env=_env(),
+                                start_new_session=True)  # fmt: skip
+    try:
+        url = _dashboard_url(log, proc)
+        b = Dashboard("127.0.0.1", int(url.rsplit(":", 1)[1].strip("/")))
+        rounds: list[int] = []
+
+        def moved() -> bool:
+            state = json.loads(get(b, "/api/state")[2])
+            if state["round"] > 0:
+                rounds.append(state["round"])
+            return state["members"] == ["a0", "a1"] and len(rounds) > 1 and rounds[-1] > rounds[0]
+
+        wait_for(moved, 60, "two reads of /api/state a round apart")
+    finally:
+        proc.kill()
+        proc.wait(10)
