@@ -62,9 +62,10 @@ def fleet_cmd(
         "--timeout",
         min=0.5,
         max=600.0,
-        help="Seconds a single look listens at most. It stops sooner, once every board "
-        "online has beaten or stayed silent past 1.25x its keep-alive; a board still "
-        "undecided shows as online with no beat age.",
+        help="Seconds a look listens at most before it prints (a watch: before its first "
+        "drawing). It stops sooner, once every board online has beaten or stayed silent "
+        "past 1.25x its keep-alive; a board still undecided shows as online with no beat "
+        "age.",
     ),
 ) -> None:
     """List the boards on a broker: id, state, profile, architecture, fedring and torch
@@ -108,7 +109,7 @@ def fleet_cmd(
     began = time.monotonic()
     try:
         if watch:
-            _watch(reader, as_json, began)
+            _watch(reader, as_json, began, timeout)
         else:
             _settle(reader, began + timeout)
             doc = snapshot(reader, began)
@@ -196,12 +197,12 @@ def _print(doc: dict[str, Any]) -> None:
         out.print(Text(line))
 
 
-def _watch(reader: Any, as_json: bool, began: float) -> None:
-    """Redraw every REDRAW_S and at once when a board's state changes, until Ctrl-C or
-    SIGTERM."""
+def _watch(reader: Any, as_json: bool, began: float, timeout: float) -> None:
+    """Draw once every board is decided (at most `timeout` s), then redraw every
+    REDRAW_S and at once when a board's state changes, until Ctrl-C or SIGTERM."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    reader.retained_in.wait(reader.cfg.connect_timeout_s)
+    _settle(reader, began + timeout)
     live = Live(console=Console(), auto_refresh=False) if sys.stdout.isatty() and not as_json \
         else None  # fmt: skip
     states: dict[str, str] = {}
