@@ -8,8 +8,8 @@ entries that changed since the last checkpoint, with the model's sha256. The hea
 which already sends a metrics row every round, sends no patch: over the round the
 bytes of the members even out. The head still uploads the dense model where the
 coordinator has no copy to patch: the first checkpoint of a segment, when the
-coordinator asks (its copy's hash disagreed), and in a ring of mixed architectures,
-whose members' parameters differ between re-syncs. A ring of one patches itself.
+coordinator asks (its copy's hash disagreed), and wherever members' parameters
+differ by design (`whole_only`). A ring of one patches itself.
 
     >>> s = CheckpointStream("a1", ["a0", "a1", "a2"], numel=10, dense=False)
     >>> s.span, s.head, s.patcher
@@ -24,8 +24,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedring.aggregation.rules import Aggregation
 from fedring.training.models import flat_sha256
 from fedring.wire.patch import encode_patch
+
+
+def whole_only(aggregation: str, mixed: bool) -> bool:
+    """Whether the head uploads every checkpoint whole, as before patches: a ring of
+    mixed architectures (its members' parameters differ between re-syncs) or the
+    ``hybrid`` rule (each member mixes in its own update)."""
+    return mixed or Aggregation.parse(aggregation).kind == "hybrid"
 
 
 @dataclass

@@ -35,7 +35,7 @@ from fedring.collective.channel import CollectiveError
 from fedring.compression.probe import codec_cost
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
-from fedring.edge_agent.checkpoint_stream import CheckpointStream
+from fedring.edge_agent.checkpoint_stream import CheckpointStream, whole_only
 from fedring.edge_agent.manifest import collective as _collective
 from fedring.edge_agent.manifest import read_segment, ring_view
 from fedring.edge_agent.running import Running
@@ -293,7 +293,8 @@ class AgentDaemon:
         patience = 3 * worker.spec.timeout_s
         every = worker.spec.checkpoint_every
         head = self.me == seg.head and not seg.asynchronous  # async: the centre's model
-        stream = CheckpointStream(self.me, seg.members, worker.numel, dense=seg.mixed)
+        stream = CheckpointStream(self.me, seg.members, worker.numel,
+                                  dense=whole_only(worker.spec.aggregation, seg.mixed))
         uploaded = [seg.start_round]
 
         def upload(r: int) -> None:
@@ -332,6 +333,8 @@ class AgentDaemon:
                                     self.counters, halt, on_round, gate, centre)  # fmt: skip
                 if uploaded[0] != worker.committed:
                     checkpoint(worker.committed)  # the final state, before the bye
+                if head:  # saved, patched or (asked for) whole, before the bye
+                    run.gate(worker.committed, 1, patience, upload)
                 result["epoch"] = seg.epoch
                 star = centre.stats.bytes_sent if centre is not None else 0
                 result["ring_bytes_sent"] = endpoint.stats.bytes_sent + star

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedring.edge_agent.checkpoint_stream import CheckpointStream
+from fedring.edge_agent.checkpoint_stream import CheckpointStream, whole_only
 from fedring.training.models import flat_sha256
 from fedring.wire.patch import apply_patch
 
@@ -45,3 +45,8 @@ def test_a_mixed_ring_keeps_the_heads_whole_uploads() -> None:
     for r in (1, 2):
         assert head.dense_due() and head.checkpoint(r, torch.zeros(4), 0) is None
         assert other.checkpoint(r, torch.zeros(4), 0) is None
+
+
+def test_members_that_differ_by_design_keep_the_whole_uploads() -> None:
+    assert whole_only("mean", mixed=True) and whole_only("hybrid:0.5", mixed=False)
+    assert not whole_only("mean", mixed=False) and not whole_only("median", mixed=False)
