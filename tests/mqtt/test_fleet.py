@@ -19,13 +19,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 from typer.testing import CliRunner
 
 from fedring.cli import app
 from fedring.counters import Counters
 from fedring.fleet import BoardTable
 from fedring.fleet_watch import FleetReader
+from fedring.transport import topics
 from fedring.transport.mosquitto import Mosquitto
 from fedring.transport.mqtt_broker import BrokerConfig
 
@@ -169,3 +172,28 @@ def test_the_coordinators_user_is_refused_and_a_missing_broker_is_named() -> Non
     assert done.exit_code == 2 and "coordinator" in done.output
     done = runner.invoke(app, ["fleet", "--broker", "mqtt://127.0.0.1:1", "--timeout", "2"])
     assert done.exit_code == 1 and "refused the connection" in done.output
+
+
+def test_junk_any_user_retains_is_noted_and_counted_never_fatal(boards: Fleet) -> None:
+    junk = {topics.hello("mallory"): b"\xff" * 64, topics.status("mallory"): b"{" * 3000,
+            topics.hello("a0"): b"not a frame"}  # fmt: skip
+    cfg = BrokerConfig.parse(boards.url)
+    spy = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="fleet-spy", protocol=mqtt.MQTTv311)
+    spy.connect(cfg.host, cfg.port)
+    spy.loop_start()
+    try:
+        for topic, payload in junk.items():
+            spy.publish(topic, payload, qos=1, retain=True).wait_for_publish(10)
+        spy.publish(topics.beat("a0"), b"forged-session 4 rss=1", qos=1).wait_for_publish(10)
+        done = CliRunner().invoke(app, ["fleet", "--broker", boards.url, "--json"])
+        assert done.exit_code == 0, done.output
+        doc = json.loads(done.stdout)
+        rows = {b["id"]: b for b in doc["boards"]}
+        assert rows["mallory"]["state"] == "unknown" and len(rows["mallory"]["notes"]) == 2
+        assert rows["a0"]["notes"] and rows["a0"]["state"] == "online"  # it still beats
+        assert doc["refused"]["bad_hello"] == 2 and doc["refused"]["bad_status"] == 1
+    finally:
+        for topic in junk:  # the daemons' own hellos are re-sent only on a change of job
+            spy.publish(topic, b"", qos=1, retain=True).wait_for_publish(10)
+        spy.disconnect()
+        spy.loop_stop()
