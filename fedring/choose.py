@@ -1,11 +1,21 @@
-"""`collective = "auto"`: the job's collective for these members, from their probes.
+"""`collective = "auto"` and `compression = "auto"`: the job's plan for these members.
 
 The runners call `choose_collective` when a ring forms (the coordinator again each
 time it re-forms): it states the job's round as a `collective.cost.Workload`
 (entries, one member's payload on the wire, the dense vector) and lets the cost
-model pick among the collectives the job may use. A job that may only use the ring
-(a torus topology, a star, asynchronous rounds, a sign vote, a pipeline) gets the
-ring without a prediction of the others.
+model pick among the plans the job may use (`plans`). A job that may only use the
+ring (a torus topology, a star, asynchronous rounds, a sign vote, a pipeline) gets
+the ring without a prediction of the others.
+
+Under ``compression = "auto"`` the codec is part of the plan: beside group-top-k at
+the job's density (the accuracy policy's, `compression.policy`: the codec choice
+trades time, never accuracy, so it never goes sparser) the candidates hold the dense
+fp32 one of each collective the job may use ("dense ring", "dense fanout", "dense hub").
+Each is predicted as the alpha-beta communication plus the members' codec CPU from
+their hellos (gamma: group-top-k's measured encode and decode, a dense entry's copy
+and add); the compute is the same for every plan, so it does not move the choice.
+The dense plans are listed first, so a tie goes to dense: `auto` is never predicted
+slower than the dense ring (or the job's collective, dense) on the same link.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from fedring.aggregation.rules import Aggregation
-from fedring.collective.cost import ALGORITHMS, Choice, Probe, Workload, choose, predict
+from fedring.collective.cost import ALGORITHMS, DENSE, Choice, Probe, Workload, choose, predict
 from fedring.compression.group_topk import GroupTopK
 from fedring.config import JobSpec
 
@@ -27,6 +37,31 @@ def candidates(spec: JobSpec) -> tuple[str, ...]:
                 and Aggregation.parse(spec.aggregation).kind in ("mean", "weighted")
                 and spec.pipeline_stages == 1)  # fmt: skip
     return ALGORITHMS if one_step else ("ring",)
+
+
+def codec_choosable(spec: JobSpec) -> bool:
+    """Whether the coordinator may plan this job's codec: ``compression = "auto"`` in a
+    job whose all-reduce runs between the agents (sync or local rounds of a mean, not
+    a star, an asynchronous job, a sign vote or a pipeline): there the reducer can send
+    dense fp32 for a segment (`engine.reducer.Reducer.dense`)."""
+    return (spec.compression_auto and spec.topology != "star" and spec.sync != "async"
+            and Aggregation.parse(spec.aggregation).kind in ("mean", "weighted")
+            and spec.pipeline_stages == 1)  # fmt: skip
+
+
+def plans(spec: JobSpec) -> tuple[str, ...]:
+    """What the coordinator may choose among, in tie order: the collectives (all of them
+    under ``collective = "auto"``, else the job's), and where the codec is chosen too
+    each of them with dense fp32 first."""
+    collectives = candidates(spec) if spec.collective == "auto" else (spec.collective,)
+    if not codec_choosable(spec):
+        return collectives
+    return (*(DENSE + c for c in collectives), *collectives)
+
+
+def choosing(spec: JobSpec) -> bool:
+    """Whether the job's plan is chosen from the probes and checked in the job."""
+    return (spec.collective == "auto" or spec.compression_auto) and len(plans(spec)) > 1
 
 
 def payload_bytes(spec: JobSpec, numel: int) -> float:
@@ -56,9 +91,11 @@ def in_process_probes(world: int) -> list[Probe]:
 
 
 def choose_collective(spec: JobSpec, numel: int, probes: list[Probe]) -> Choice:
-    """The job's own collective, or under ``auto`` the fastest predicted for `probes`
-    (one per member, in ring order: rank 0 is the hub)."""
+    """The job's own collective, or under ``auto`` (collective or compression) the
+    fastest plan predicted for `probes` (one per member, in ring order: rank 0 is the
+    hub)."""
     work = workload(spec, numel)
-    if spec.collective != "auto":
-        return Choice(spec.collective, {spec.collective: predict(spec.collective, probes, work)})
-    return choose(probes, work, candidates(spec))
+    if not choosing(spec):
+        only = plans(spec)[0]  # the job's collective ("auto" with one candidate: the ring)
+        return Choice(only, {only: predict(only, probes, work)})
+    return choose(probes, work, plans(spec))

@@ -47,7 +47,11 @@ class JobSpec:
     # "fedring.tasks", or MODULE:ATTR (agents load it only if their config allows MODULE).
     task: str = ""
     sharding: str = "iid"  # iid | dirichlet:ALPHA | quantity:BETA
-    compression: str = "group-topk"  # none | group-topk
+    # none | group-topk | auto (dense fp32 or group-top-k, chosen per epoch with the
+    # collective from the members' probes: `fedring.choose`; resolves to group-topk
+    # with `compression_auto` set)
+    compression: str = "group-topk"
+    compression_auto: bool = False  # set by compression "auto": the coordinator picks the codec
     # Kept fraction per group (k = round(density * group_size)), or "auto": chosen with
     # its warm-up and a closing flush from the rounds, the mode and the sample
     # (`compression.policy`; the choice and its reason land in `density_auto`).
@@ -145,6 +149,9 @@ class JobSpec:
     def __post_init__(self) -> None:
         _check_int(self, "agents", 1, 1024)
         _check_float(self, "saving", 1.0, 1e6)
+        if self.compression == "auto":  # group-top-k's settings; dense chosen per epoch
+            object.__setattr__(self, "compression", "group-topk")
+            object.__setattr__(self, "compression_auto", True)
         if self.density == "auto":
             _choose_density(self)
         try:  # the one codec check, shared with ReducerSettings, the Flower mod, the DDP hook
@@ -249,8 +256,10 @@ class JobSpec:
 
     def codec_choice(self) -> dict[str, Any]:
         """The summary's ``codec``: the density in force, its warm-up and flush, and
-        what ``density = "auto"`` chose and why (empty for a density given)."""
-        return {"compression": self.compression, "density": self.density,
+        what ``density = "auto"`` chose and why (empty for a density given); under
+        ``compression = "auto"`` the summary's ``collective`` epochs name each codec."""
+        return {"compression": "auto" if self.compression_auto else self.compression,
+                "density": self.density,
                 "density_warmup": self.density_warmup, "density_flush": self.density_flush,
                 "density_auto": self.density_auto}  # fmt: skip
 

@@ -33,11 +33,15 @@ shows (`docs/lab.md`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fedring.collective.torus import layout_dims
 
 ALGORITHMS = ("ring", "fanout", "hub")  # in the order ties are broken
+# A dense fp32 entry's CPU: copied into a frame, or added into the sum (a.add_(b) on
+# 1M entries, the 2-core AMD EPYC sandbox under load: 2.5 ns an entry)
+DENSE_ENTRY_S = 2.5e-9
+DENSE = "dense "  # a plan's prefix: the dense fp32 codec (`compression = "auto"`)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,15 @@ class Probe:
     def down(self, nbytes: float) -> float:
         return nbytes / self.down_bps if self.down_bps > 0 else 0.0
 
+    def dense(self) -> Probe:
+        """This member sending dense fp32: no selection, decode is a vector add; the
+        per-frame fixed part stays (a frame is built and read either way). Never more
+        an entry than its group-top-k (which reads every entry too), and unknown where
+        that is unknown."""
+        enc, dec = self.encode_s, self.decode_s
+        return replace(self, encode_s=(enc[0], min(enc[1], DENSE_ENTRY_S)),
+                       decode_s=(dec[0], min(dec[1], DENSE_ENTRY_S)))  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -75,10 +88,24 @@ class Workload:
     topology: str = "auto"
 
 
+def collective_of(plan: str) -> str:
+    """The collective of a plan: "ring" of "ring" and of "dense ring"."""
+    return plan.removeprefix(DENSE)
+
+
+def codec_of(plan: str, compression: str = "group-topk") -> str:
+    """The codec of a plan: "dense" for a dense plan, else the job's `compression`."""
+    return "dense" if plan.startswith(DENSE) else compression
+
+
 @dataclass(frozen=True)
 class Choice:
-    algorithm: str
+    algorithm: str  # the chosen plan: a collective, or DENSE + a collective
     predicted_s: dict[str, float]  # every candidate's predicted all-reduce seconds
+
+    @property
+    def collective(self) -> str:
+        return collective_of(self.algorithm)
 
     def to_dict(self) -> dict[str, object]:
         return {"chosen": self.algorithm,
@@ -127,6 +154,7 @@ def hub_seconds(probes: list[Probe], work: Workload) -> float:
 
 def steps(algorithm: str, world: int, topology: str = "auto") -> int:
     """Sequential broker steps of one all-reduce (each pays a round trip and `hop_s`)."""
+    algorithm = collective_of(algorithm)
     if world < 2:
         return 0
     if algorithm == "ring":
@@ -138,7 +166,12 @@ SECONDS = {"ring": ring_seconds, "fanout": fanout_seconds, "hub": hub_seconds}
 
 
 def predict(algorithm: str, probes: list[Probe], work: Workload) -> float:
-    return SECONDS[algorithm](probes, work)
+    """The all-reduce of plan `algorithm`; a dense plan sends `work.dense_bytes` a member
+    with each member's dense codec (`Probe.dense`)."""
+    if algorithm.startswith(DENSE):
+        probes = [p.dense() for p in probes]
+        work = replace(work, payload_bytes=work.dense_bytes)
+    return SECONDS[collective_of(algorithm)](probes, work)
 
 
 def choose(probes: list[Probe], work: Workload, candidates: tuple[str, ...] = ALGORITHMS) -> Choice:

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fedring.build import needs_centre
-from fedring.choose import candidates, choose_collective
-from fedring.collective.cost import Choice, Probe, steps
+from fedring.choose import choose_collective, choosing, codec_choosable
+from fedring.collective.cost import Choice, Probe, codec_of, steps
 from fedring.compression.schedule import DGC_STAGES
 from fedring.config import JobSpec
 from fedring.coordinator.membership import Fleet
@@ -78,13 +78,15 @@ class CollectivePlans:
         self.measured: dict[tuple[str, ...], dict[str, float]] = {}
         self.settled: set[tuple[str, ...]] = set()  # members whose candidates were tried
         self.pending = ""  # the collective a re-plan asked for
+        self.codecs = False  # compression "auto": the plans choose the codec too
 
     def plan(self, spec: JobSpec, epoch: int, members: list[str], fleet: Fleet, numel: int,
              start: int) -> str:  # fmt: skip
         """The collective of `members` from round `start` (logged and kept)."""
         probes = [replace(fleet.cost_probe(a), hop_s=self.hop_s) for a in members]
         choice = choose_collective(spec.replace(agents=len(members)), numel, probes)
-        if spec.collective == "auto":
+        self.codecs = codec_choosable(spec)
+        if choosing(spec):
             expected = self._expected(members, choice)
             best = min(expected, key=expected.__getitem__)  # a tie: the first listed
             if self.pending in expected and self.epochs and self.epochs[-1].members == members:
@@ -97,7 +99,7 @@ class CollectivePlans:
         predicted = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in choice.predicted_s.items())
         log.info("epoch %d: collective %s (%s; predicted all-reduce %s)", epoch,
                  choice.algorithm, spec.collective, predicted)  # fmt: skip
-        return choice.algorithm
+        return choice.collective
 
     def _expected(self, members: list[str], choice: Choice) -> dict[str, float]:
         """Each candidate's all-reduce: measured on these members, else predicted."""
@@ -106,7 +108,7 @@ class CollectivePlans:
 
     def observe(self, spec: JobSpec, rnd: int, row: dict[str, Any]) -> None:
         """Keep the head's measured all-reduce of round `rnd` (past the warm-up)."""
-        if not self.epochs or spec.collective != "auto" or len(candidates(spec)) < 2:
+        if not self.epochs or not choosing(spec):
             return
         planned, comm = self.epochs[-1], row.get("comm_s")
         first = max(warmup_rounds(spec), planned.start_round + 2)  # past a new ring's start
@@ -151,7 +153,13 @@ class CollectivePlans:
                 f"{chosen} {measured * 1e3:.1f}")  # fmt: skip
 
     def current(self, spec: JobSpec) -> str:
-        return self.epochs[-1].choice.algorithm if self.epochs else spec.collective
+        return self.epochs[-1].choice.collective if self.epochs else spec.collective
+
+    def codec(self) -> str:
+        """The current epoch's codec for its manifests: "dense" where ``compression =
+        "auto"`` chose the dense fp32 plan, else "" (the job's group-top-k)."""
+        chosen = self.epochs[-1].choice.algorithm if self.epochs and self.codecs else ""
+        return "dense" if codec_of(chosen) == "dense" else ""
 
     def tag(self, row: dict[str, Any]) -> dict[str, Any]:
         """`row` with the collective that ran it and that collective's prediction."""
@@ -159,7 +167,9 @@ class CollectivePlans:
             return row
         choice = self.epochs[-1].choice
         predicted = round(choice.predicted_s[choice.algorithm], 6)
-        return {**row, "collective": choice.algorithm, "collective_predicted_s": predicted}
+        codec = {"codec": codec_of(choice.algorithm)} if self.codecs else {}
+        return {**row, "collective": choice.collective, **codec,
+                "collective_predicted_s": predicted}  # fmt: skip
 
     def summary(
         self, spec: JobSpec, rows: dict[int, dict[str, Any]], fleet: Fleet
@@ -183,6 +193,8 @@ class CollectivePlans:
             head, save = fleet.cost_probe(planned.members[0]), self._save_s()
             gate = (head.rtt_s + head.up(4 * planned.numel) + save) / spec.checkpoint_every
             choice: dict[str, Any] = planned.choice.to_dict()
+            if self.codecs:
+                choice["codec"] = codec_of(planned.choice.algorithm, spec.compression)
             predicted: float | None = round(chosen + steps * compute + gate, 6)
             if centre:
                 predicted = None

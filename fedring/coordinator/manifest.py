@@ -22,14 +22,15 @@ from fedring.training.sharding import ShardManifest
 
 def segment_docs(
     ck: Checkpoint, members: list[str], epoch: int, start: int, frame_bytes: int,
-    mode: str = "ring", mixed: bool = False, collective: str = "", held: str = "",
+    mode: str = "ring", mixed: bool = False, collective: str = "", held: str = "", codec: str = "",
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Each member's manifest for the segment of `members` from round `start`; `mode`
     "async" sends the deltas through the coordinator (an async job or a degraded ring);
     `mixed`: the members run on more than one CPU architecture (`engine.resync`);
     `collective`: the one this segment runs (the job's, or what ``auto`` chose);
     `held`: the sha256 of the state at `start` every member still holds (a re-plan
-    resumes there), else the checkpoint's."""
+    resumes there), else the checkpoint's; `codec`: "dense" where compression "auto"
+    chose dense fp32 for the segment, else "" (the job's codec)."""
     table = ShardManifest.from_dict(ck.shard_manifest)
     topology, world = str(ck.spec.get("topology", "auto")), len(members)
     weights = [1.0 / world] * world  # each member's share of the mean
@@ -57,6 +58,7 @@ def segment_docs(
             "model_sha256": ck.model_sha256, "start_round": start,
             "params_sha256": held or ck.params_sha256, "max_frame_bytes": frame_bytes,
             "task": ck.task or None, "mode": mode, "mixed": mixed, "collective": collective,
+            **({"codec": codec} if codec else {}),
         }
         for rank, agent in enumerate(members)
     }  # fmt: skip

@@ -144,7 +144,8 @@ class SegmentRunner(ControlPort):
         docs = segment_docs(ck, ep.members, ep.number, ep.start,
                             self.fleet.frame_bytes(ep.members),
                             "async" if self.asynchronous else "ring",
-                            self.fleet.mixed(ep.members), collective, ep.held)  # fmt: skip
+                            self.fleet.mixed(ep.members), collective, ep.held,
+                            self.collectives.codec())  # fmt: skip
         for agent, doc in docs.items():
             self._send(agent, "manifest", doc, sign=False)
             if ck.params is not None and not ep.held:

@@ -24,6 +24,7 @@ def read_segment(doc: dict[str, Any], me: str) -> Segment:
         max_frame_bytes=int(doc.get("max_frame_bytes", 0)),
         asynchronous=doc.get("mode") == "async", weight=float(doc.get("weight", 0.0)),
         mixed=doc.get("mixed") is True, collective=collective(doc),
+        codec=codec(doc),
     )  # fmt: skip
     if seg.members[int(doc["rank"])] != me:
         raise JobRefused(f"{me} is not rank {doc['rank']} of the ring: {doc['peers']}")
@@ -49,4 +50,13 @@ def collective(doc: dict[str, Any]) -> str:
     value = doc.get("collective", "")
     if value not in ("", *COLLECTIVES):
         raise JobRefused(f"manifest field 'collective'={value!r} must be one of {COLLECTIVES}")
+    return str(value)
+
+
+def codec(doc: dict[str, Any]) -> str:
+    """The codec the manifest names for this segment: "dense" (compression "auto" chose
+    dense fp32) or "" (the job's own)."""
+    value = doc.get("codec", "")
+    if value not in ("", "dense"):
+        raise JobRefused(f"manifest field 'codec'={value!r} must be 'dense' or ''")
     return str(value)

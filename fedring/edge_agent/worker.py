@@ -93,6 +93,7 @@ class Segment:
     weight: float = 0.0  # this member's share of the mean; 0: 1 / members
     mixed: bool = False  # the members run on more than one CPU architecture (re-sync)
     collective: str = ""  # ring | fanout | hub: what the coordinator planned; "": the job's
+    codec: str = ""  # "dense": compression "auto" chose dense fp32 here; "": the job's
 
     @property
     def channel_job(self) -> str:
@@ -268,6 +269,7 @@ class JobWorker:
         m = self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s, hub,
                             algorithm=segment_collective(seg, spec)), seg.weight,
                    counters)  # fmt: skip
+        m.state.optimizer.reducer.dense = seg.codec == "dense"
 
         def before(r: int) -> None:
             if gate is not None:

@@ -180,6 +180,9 @@ class Reducer:
     settings: ReducerSettings = field(default_factory=ReducerSettings)
     last_error: float = 0.0  # ||g - sent|| / ||g|| of the last compression
     centre: Centre | None = None  # a star's centre; None: `STAR` on the ring's channel
+    # compression "auto": the coordinator chose dense fp32 for this segment
+    # (`fedring.choose`); group-top-k stays built for a switch back
+    dense: bool = False
     ef: ErrorFeedback | None = field(default=None, init=False)
     topk: GroupTopK | None = field(default=None, init=False)
     schedule: DensitySchedule | None = field(default=None, init=False)
@@ -228,8 +231,8 @@ class Reducer:
     def allreduce(self, vec: torch.Tensor, *, scale: float, round: int) -> torch.Tensor:
         """Sum over the group of ``scale * vec``, compressed as the settings say."""
         scaled = vec * scale
-        if self.topk is None:
-            return self.collective.allreduce_dense(scaled, round=round)
+        if self.topk is None or self.dense:
+            return self.collective.allreduce_dense(self._flushed(scaled, self.ef), round=round)
         sent = self.compress(scaled, round)
         total, kept = self.collective.allreduce_sparse(
             sent,  # type: ignore[arg-type]  # group-top-k gives SparseGroups
@@ -250,9 +253,10 @@ class Reducer:
         `last_error` is the error over those reduced so far.
         """
         scaled = vec * scale
-        if self.topk is None:
-            return self.collective.allreduce_dense(scaled, round=round, bucket=bucket)
         ef = self.ef.part(*span) if self.ef is not None else None
+        if self.topk is None or self.dense:
+            return self.collective.allreduce_dense(self._flushed(scaled, ef), round=round,
+                                                   bucket=bucket)  # fmt: skip
         sent, missed, norm = _compress_measured(scaled, self.topk, ef, self._k(round))
         total, kept = self.collective.allreduce_sparse(
             sent,  # type: ignore[arg-type]  # group-top-k gives SparseGroups
@@ -266,6 +270,16 @@ class Reducer:
             math.sqrt(self._bucket_sq[0] / self._bucket_sq[1]) if self._bucket_sq[1] else 0.0
         )
         return total
+
+    def _flushed(self, scaled: torch.Tensor, ef: ErrorFeedback | None) -> torch.Tensor:
+        """`scaled` for a dense round: under group-top-k switched to dense, plus what
+        error feedback still holds, which is then empty (flushed, not kept: the dense
+        round delivers it now rather than whenever top-k next runs, or never)."""
+        if self.topk is None or ef is None or not bool(ef.residual.any()):
+            return scaled
+        out = ef.compensate(scaled).clone()
+        ef.reset()
+        return out
 
     def allreduce_dense(self, vec: torch.Tensor, *, round: int, bucket: int) -> torch.Tensor:
         """Plain fp32 sum over the group, uncompressed (e.g. BatchNorm statistics);

@@ -125,3 +125,51 @@ def test_every_candidate_runs_at_most_once_before_the_members_settle() -> None:
     assert set(plans.measured[tuple(MEMBERS)]) == {"ring", "fanout", "hub"}
     best = min(plans.measured[tuple(MEMBERS)].items(), key=lambda kv: kv[1])[0]
     assert algorithm == best
+
+
+def test_compression_auto_tries_dense_when_group_topk_measures_slow_and_keeps_it() -> None:
+    """``compression = "auto"``: the dense ring is a plan like a collective. Group-top-k
+    measured far slower than predicted (its CPU under load), the dense ring comes within
+    reach and is tried; measured faster, the job keeps it: the manifests say "dense",
+    the rows and the summary name the codec."""
+    job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
+                                "compression": "auto"})  # fmt: skip
+    plans, f = CollectivePlans(), fleet()
+    assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring" and plans.codec() == ""
+    predicted = plans.epochs[0].choice.predicted_s
+    assert set(predicted) == {"dense ring", "ring"} and predicted["ring"] < predicted["dense ring"]
+    assert plans.tag({"round": 1})["codec"] == "group-topk"
+    slow = 4 * (predicted["dense ring"] - predicted["ring"]) + predicted["ring"]
+    why = feed(plans, job, rows_from(plans), slow, CALIBRATION_ROUNDS)
+    assert why.startswith("trying dense ring:"), why
+    at = rows_from(plans) + CALIBRATION_ROUNDS
+    assert plans.plan(job, 1, MEMBERS, f, NUMEL, at) == "ring" and plans.codec() == "dense"
+    assert plans.tag({"round": at})["codec"] == "dense"
+    assert feed(plans, job, rows_from(plans), slow / 2, 3 * CALIBRATION_ROUNDS) == ""
+    assert tuple(MEMBERS) in plans.settled and plans.codec() == "dense"
+    [first, second] = plans.summary(job, {}, f)
+    assert (first["chosen"], first["codec"]) == ("ring", "group-topk")
+    assert (second["chosen"], second["codec"]) == ("dense ring", "dense")
+
+
+def test_compression_auto_goes_back_to_group_topk_when_dense_measures_slower() -> None:
+    job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
+                                "compression": "auto"})  # fmt: skip
+    plans, f = CollectivePlans(), fleet()
+    plans.plan(job, 0, MEMBERS, f, NUMEL, 0)
+    predicted = plans.epochs[0].choice.predicted_s
+    slow = 4 * (predicted["dense ring"] - predicted["ring"]) + predicted["ring"]
+    assert feed(plans, job, rows_from(plans), slow, CALIBRATION_ROUNDS)
+    at = rows_from(plans) + CALIBRATION_ROUNDS
+    plans.plan(job, 1, MEMBERS, f, NUMEL, at)
+    why = feed(plans, job, rows_from(plans), slow * 2, CALIBRATION_ROUNDS)
+    assert why.startswith("back to ring:"), why
+    plans.plan(job, 2, MEMBERS, f, NUMEL, at + 2 * CALIBRATION_ROUNDS)
+    assert plans.codec() == "" and plans.epochs[-1].choice.algorithm == "ring"
+
+
+def test_a_job_without_compression_auto_has_no_codec_in_its_rows() -> None:
+    plans = CollectivePlans()
+    plans.plan(spec("ring"), 0, MEMBERS, fleet(), NUMEL, 0)
+    assert "codec" not in plans.tag({"round": 1}) and plans.codec() == ""
+    assert "codec" not in plans.summary(spec("ring"), {}, fleet())[0]

@@ -1,0 +1,129 @@
+"""``compression = "auto"``: the plan chooses the codec with the collective
+(`fedring.choose`): dense fp32 where the link is fast and the codec costly, group-top-k
+where the link is the bottleneck, never predicted slower than the dense ring; and the
+reducer's switch to dense flushes what error feedback held back."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fedring.choose import choose_collective, choosing, plans
+from fedring.collective.cost import DENSE, Probe, codec_of, collective_of
+from fedring.compression.policy import choose_density
+from fedring.config import JobSpec, SpecError
+from fedring.engine.reducer import Reducer, ReducerSettings
+
+NUMEL = 5210  # the MNIST-1D CNN
+# group-top-k as `codec_cost()` measured it on the loaded 2-core sandbox (4.6e-7 s an entry)
+COSTLY = dict(encode_s=(2e-4, 4e-7), decode_s=(5e-5, 1e-8))
+
+
+def job(**fields: object) -> JobSpec:
+    return JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
+                                 "rounds": 200, "compression": "auto", **fields})  # fmt: skip
+
+
+def probes(mbit_s: float, rtt_s: float = 0.0005) -> list[Probe]:
+    bps = mbit_s * 1e6 / 8
+    return [Probe(rtt_s=rtt_s, up_bps=bps, down_bps=bps, **COSTLY)] * 4  # type: ignore[arg-type]
+
+
+def test_compression_auto_resolves_to_the_policy_density_and_leaves_other_jobs_alone() -> None:
+    spec = job()
+    assert spec.compression == "group-topk" and spec.compression_auto
+    # the codec choice trades time, not accuracy: group-top-k at the policy's density
+    assert spec.density == choose_density(rounds=200).density
+    assert spec.codec_choice()["compression"] == "auto"
+    plain = JobSpec.from_mapping({"agents": 4, "rounds": 200})
+    assert not plain.compression_auto and plans(plain) == ("ring",) and not choosing(plain)
+    assert plans(plain.replace(collective="auto")) == ("ring", "fanout", "hub")
+    assert plans(spec) == ("dense ring", "ring")
+    assert plans(job(collective="auto")) == (
+        "dense ring",
+        "dense fanout",
+        "dense hub",
+        "ring",
+        "fanout",
+        "hub",
+    )
+    assert plans(job(collective="fanout")) == ("dense fanout", "fanout")
+    assert plans(job(topology="star", aggregation="median")) == ("ring",)  # no dense star
+    # the resolved spec reads back as itself (what the coordinator sends the agents)
+    assert JobSpec.from_mapping(spec.resolved()) == spec
+    with pytest.raises(SpecError, match="'compression'='zip'"):
+        job(compression="zip")
+
+
+def test_a_fast_link_and_a_costly_codec_choose_dense() -> None:
+    choice = choose_collective(job(), NUMEL, probes(1000.0, rtt_s=0.0))
+    assert choice.algorithm == "dense ring" and choice.collective == "ring"
+    assert choice.predicted_s["dense ring"] < choice.predicted_s["ring"]
+    # with the collective chosen too: one step beats six, and dense beats group-top-k
+    choice = choose_collective(job(collective="auto"), NUMEL, probes(1000.0, rtt_s=0.0))
+    assert choice.algorithm == "dense fanout" and codec_of(choice.algorithm) == "dense"
+
+
+def test_a_slow_link_chooses_group_topk() -> None:
+    choice = choose_collective(job(collective="auto"), NUMEL, probes(1.0))
+    assert not choice.algorithm.startswith(DENSE)
+    assert codec_of(choice.algorithm) == "group-topk"
+    assert choice.predicted_s[choice.algorithm] < choice.predicted_s["dense ring"] / 2
+
+
+@pytest.mark.parametrize("collective", ["auto", "ring"])
+def test_never_predicted_slower_than_the_dense_ring(collective: str) -> None:
+    spec = job(collective=collective)
+    for mbit, rtt, numel, enc in itertools.product(
+        (0.5, 10.0, 100.0, 10_000.0), (0.0, 0.001, 0.05), (1_000, NUMEL, 1_000_000),
+        (0.0, 1e-8, 1e-6),
+    ):  # fmt: skip
+        bps = mbit * 1e6 / 8
+        p = [Probe(rtt_s=rtt, up_bps=bps, down_bps=bps, encode_s=(1e-4, enc),
+                   decode_s=(5e-5, enc / 4))] * 4  # fmt: skip
+        choice = choose_collective(spec, numel, p)
+        dense = choice.predicted_s[f"{DENSE}ring"]
+        assert choice.predicted_s[choice.algorithm] <= dense, (mbit, rtt, numel, enc)
+        assert collective_of(choice.algorithm) in ("ring", "fanout", "hub")
+
+
+def test_a_tie_goes_to_dense() -> None:
+    """No link and no codec cost to see: dense, the plan with nothing to lose."""
+    choice = choose_collective(job(collective="auto"), NUMEL, [Probe()] * 4)
+    assert choice.algorithm == "dense ring"
+
+
+class _Sum:
+    """A one-member collective: the sum of a world of one is the vector itself."""
+
+    world, timeout_s = 1, 1.0
+
+    def allreduce_dense(self, vec: torch.Tensor, **_: object) -> torch.Tensor:
+        return vec.clone()
+
+    def allreduce_sparse(self, payload, **_: object):  # type: ignore[no-untyped-def]
+        out = torch.zeros(payload.numel)
+        payload.add_to(out)
+        return out, torch.zeros(payload.numel)
+
+
+def test_switching_to_dense_flushes_the_residual_and_loses_nothing() -> None:
+    """What top-k held back goes out with the first dense round; after it the residual
+    is empty, and every entry of every gradient has been delivered exactly once."""
+    torch.manual_seed(0)
+    r = Reducer(_Sum(), 512, ReducerSettings(density=0.05))  # type: ignore[arg-type]
+    grads = [torch.randn(512) for _ in range(3)]
+    sent = r.allreduce(grads[0], scale=1.0, round=0) + r.allreduce(grads[1], scale=1.0, round=1)
+    held = r.ef.residual.clone()  # type: ignore[union-attr]
+    assert held.norm() > 0
+    r.dense = True
+    flushed = r.allreduce(grads[2], scale=1.0, round=2)
+    assert torch.allclose(flushed, grads[2] + held, atol=1e-6)
+    assert r.residual_norm == 0.0
+    assert torch.allclose(sent + flushed, sum(grads), atol=1e-5)  # type: ignore[arg-type]
+    assert torch.equal(r.allreduce(grads[0], scale=1.0, round=3), grads[0])  # plain dense now
+    r.dense = False  # back to group-top-k: error feedback starts from the empty residual
+    r.allreduce(grads[1], scale=1.0, round=4)
+    assert 0 < r.residual_norm < float(grads[1].norm())
