@@ -1,0 +1,452 @@
+"""Protocol agents: fedring's MQTT agent protocol without torch, hundreds to a process.
+
+`fedring coordinator run` cannot tell these agents from real ones at the protocol
+level: each has its own connection (`loadgen_mqtt.MqttConn`), retained presence with
+a will, beats, a retained hello (`wire.control` frame, its profile and link figures);
+it acknowledges its manifest once the checkpoint's model arrived, sends star and
+asynchronous updates of the job's size as sealed compact frames (`wire.compact`,
+a group-top-k payload of the manifest's numel, G, k and value dtype), sends the head's
+metrics rows, the checkpoint stream (the head's first dense upload, every other
+member's patch of its slice) and a ``bye`` with its model hash. No agent trains: each
+holds the same parameters, ``params(r)`` = every entry equal to r, so patches are as
+dense as a trained model's and every hash agrees.
+
+What they do not do (see docs/benchmarks.md, "Fleet scale"): a ring job (members
+exchange chunks among themselves; its coordinator side is the same control traffic),
+the link probe (the hello announces `LoadSettings.link_bps`), consensus supports
+(robust rules), re-connecting, and decoding the centre's replies (they are checked
+and reassembled as frames, the payload is taken as opaque bytes).
+
+    settings = LoadSettings("127.0.0.1", 1883)
+    report = asyncio.run(run_fleet(settings, 100, timeout_s=300))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedring.lab.loadgen_mqtt import MqttConn
+from fedring.transport import topics
+from fedring.wire.arrays import pack_arrays
+from fedring.wire.chunks import Reassembler, split_payload
+from fedring.wire.compact import decode_compact, encode_compact
+from fedring.wire.control import ControlCodec, ControlMessage
+from fedring.wire.errors import FrameError
+from fedring.wire.frame import Frame, FrameLimits
+from fedring.wire.patch import encode_patch
+
+log = logging.getLogger(__name__)
+COORD = topics.COORDINATOR
+_WIRE = {"fp32": ("f4", np.float32), "fp16": ("f2", np.float16)}
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    host: str
+    port: int
+    prefix: str = "load"  # agent ids: PREFIX-0000 ...
+    keepalive: int = 5  # seconds; beats go out 3 times a keep-alive, as a real link's
+    presence: bool = True  # subscribe to every agent's status, as every real link does
+    link_bps: float = 50e6  # announced in the hello (real agents measure theirs)
+    machine: str = "x86_64"
+    connect_parallel: int = 64  # connections opened at once
+
+
+@dataclass
+class AgentTimes:
+    hello: float = 0.0  # monotonic time of the first hello
+    ack: float = 0.0  # of the ack of the first manifest
+    done: float = 0.0  # of the bye
+    rounds: int = 0
+    manifests: int = 0
+    refused: int = 0  # frames that did not decode
+
+
+def star_payload(
+    numel: int, group_size: int, k: int, value_dtype: str
+) -> tuple[dict[str, Any], bytes]:
+    """A group-top-k update of `numel` entries as its wire meta and body, the size a real
+    member sends (`compression.sparse.SparseGroups.to_wire`): k indices and k values a
+    group. Values are zero, so the centre's mean does not move the model."""
+    if value_dtype not in _WIRE:
+        raise ValueError(f"value_dtype={value_dtype!r}: the load generator sends fp32 or fp16")
+    n = -(-numel // group_size)
+    idx = np.tile(np.arange(k, dtype=np.uint8 if group_size <= 256 else np.uint16), (n, 1))
+    wire, dtype = _WIRE[value_dtype]
+    meta = {"codec": "group-topk", "numel": numel, "group_size": group_size, "k": k,
+            "groups": [0, n]}  # fmt: skip
+    spec, body = pack_arrays([("idx", "u1" if group_size <= 256 else "u2", idx),
+                              ("val", wire, np.zeros((n, k), dtype=dtype))])  # fmt: skip
+    meta["arrays"] = spec
+    return meta, body
+
+
+def per_round(n: int, sample: float) -> int:
+    """`engine.participation.per_round`, without torch."""
+    if sample <= 1:
+        return max(1, min(n, math.floor(sample * n + 0.5)))
+    return min(n, int(sample))
+
+
+def sampled(seed: int, r: int, n: int, sample: float) -> list[int]:
+    """`engine.participation.sampled`, without torch: the ranks that send in round r."""
+    k = per_round(n, sample)
+    if k >= n:
+        return list(range(n))
+    rng = np.random.default_rng([seed, r, 0x5A4D])
+    return sorted(int(i) for i in rng.choice(n, size=k, replace=False))
+
+
+class Params:
+    """Every agent's parameters at round r: all entries equal to r (float32), with their
+    sha256 computed once a round for the whole fleet."""
+
+    def __init__(self) -> None:
+        self.numel = 0
+        self._sha: dict[int, str] = {}
+
+    def at(self, r: int) -> np.ndarray:
+        return np.full(self.numel, float(r), dtype="<f4")
+
+    def sha256(self, r: int) -> str:
+        if r not in self._sha:
+            self._sha[r] = hashlib.sha256(self.at(r).tobytes()).hexdigest()
+        return self._sha[r]
+
+
+@dataclass
+class Segment:
+    """What a manifest asked for, and the segment's progress."""
+
+    job: str
+    epoch: int
+    key: bytes
+    rank: int
+    world: int
+    start: int
+    spec: dict[str, Any]
+    asynchronous: bool
+    limits: FrameLimits
+    acked: int = 0
+    # (round, phase, payload body): the centre's replies, checked and joined
+    replies: asyncio.Queue[tuple[int, str, bytes]] = field(default_factory=asyncio.Queue)
+    acks: asyncio.Event = field(default_factory=asyncio.Event)
+    parts: Reassembler = field(default_factory=Reassembler)
+    task: asyncio.Task[None] | None = None
+    committed: int = 0
+
+    @property
+    def channel_job(self) -> str:
+        return f"{self.job}.e{self.epoch}"
+
+    @property
+    def head(self) -> bool:
+        return self.rank == 0
+
+
+class ProtocolAgent:
+    """One agent of the fleet: its connection, its hello, its manifests and rounds."""
+
+    def __init__(self, me: str, settings: LoadSettings, params: Params) -> None:
+        self.me, self.settings, self.params = me, settings, params
+        self.session = os.urandom(6).hex()
+        self.codec = ControlCodec(me)
+        self.conn = MqttConn(f"fedring-{me}", self._on_message)
+        self.times = AgentTimes()
+        self.seg: Segment | None = None
+        self.pending: Segment | None = None  # manifest in, the checkpoint's model not yet
+        self.finished = asyncio.Event()
+        self._seq = 0
+        self._beats: asyncio.Task[None] | None = None
+        self._hello_doc: dict[str, Any] = {}
+
+    # -- presence ---------------------------------------------------------------------
+
+    def status(self, state: str) -> bytes:
+        return json.dumps({"state": state, "session": self.session, "ts": time.time(),
+                           "keepalive": self.settings.keepalive}).encode()  # fmt: skip
+
+    async def start(self) -> None:
+        s, me = self.settings, self.me
+        will = (topics.status(me), self.status("lost"), 1, True)
+        await self.conn.open(s.host, s.port, s.keepalive, will=will)
+        subs = [(topics.my_inboxes(me), 1), (topics.probe(me), 1)]
+        if s.presence:
+            subs.append((f"{topics.ROOT}/agents/+/status", 1))
+        self.conn.subscribe(subs)
+        self.conn.publish(topics.status(me), self.status("online"), retain=True)
+        self.times.hello = time.monotonic()
+        self.hello("")
+        self._beats = asyncio.create_task(self._beat())
+
+    def hello(self, job: str) -> None:
+        if not self._hello_doc:
+            bps = self.settings.link_bps
+            self._hello_doc = {
+                "id": self.me, "session": self.session,
+                "profile": {"name": "loadgen", "machine": self.settings.machine},
+                "step_s": 0.01, "link_bps": bps, "up_bps": bps, "down_bps": bps,
+                "rtt_s": 0.001, "encode_s": [0.0, 0.0], "decode_s": [0.0, 0.0], "threads": 1,
+                "machine": self.settings.machine, "fedring": "loadgen", "torch": "",
+                "python": "", "started": time.time(), "mem_total": 0,
+            }  # fmt: skip
+        doc = {**self._hello_doc, "job": job, "rss": 0}
+        [frame] = self.codec.encode("hello", "-", COORD, doc, sign=False)
+        self.conn.publish(topics.hello(self.me), frame, retain=True)
+
+    async def _beat(self) -> None:
+        period = self.settings.keepalive / 3
+        await asyncio.sleep(period * (hash(self.me) % 1000) / 1000)  # spread, as real starts are
+        beat = f"{self.session} {self.settings.keepalive} rss=0".encode()
+        while True:
+            self.conn.publish(topics.beat(self.me), beat, qos=0)
+            await asyncio.sleep(period)
+
+    async def stop(self) -> None:
+        """Leave as a daemon does on SIGTERM: hello cleared, status offline, DISCONNECT."""
+        if self._beats is not None:
+            self._beats.cancel()
+        if self.seg is not None and self.seg.task is not None:
+            self.seg.task.cancel()
+        try:
+            self.conn.publish(topics.hello(self.me), b"", retain=True)
+            self.conn.publish(topics.status(self.me), self.status("offline"), retain=True)
+            self.conn.close()
+        except ConnectionError:
+            return
+
+    # -- incoming ---------------------------------------------------------------------
+
+    def _on_message(self, topic: str, payload: bytes, retained: bool) -> None:
+        box = topics.parse_inbox(topic)
+        if box is None or box[2] != COORD:
+            return  # presence and probes: heard (the broker's fan-out), not read
+        job = box[0]
+        if topics.is_star(job):
+            self._on_reply(payload)
+            return
+        msg = self.codec.decode(COORD, payload)  # None: a part, or refused (counted there)
+        if msg is None:
+            return
+        if msg.kind == "manifest":
+            self._on_manifest(msg)
+        elif msg.kind == "model":
+            self._on_model(msg)
+        elif msg.kind == "ack":
+            self._on_ack(msg)
+        elif msg.kind == "bye":
+            self._on_bye(msg)
+
+    def _on_manifest(self, msg: ControlMessage) -> None:
+        doc = msg.doc
+        self.times.manifests += 1
+        if self.seg is not None and self.seg.task is not None:
+            self.seg.task.cancel()
+        spec = doc["spec"]
+        frame_bytes = int(doc.get("max_frame_bytes") or 0)
+        self.codec.key = bytes.fromhex(str(doc["key"]))
+        seg = Segment(
+            job=str(doc["job"]), epoch=int(doc["epoch"]), key=self.codec.key,
+            rank=int(doc["rank"]), world=int(doc["world"]), start=int(doc["start_round"]),
+            spec=spec, asynchronous=doc.get("mode") == "async",
+            limits=FrameLimits(max_frame_bytes=frame_bytes) if frame_bytes else FrameLimits(),
+        )  # fmt: skip
+        seg.acked = seg.committed = seg.start
+        if self.seg is None or self.seg.job != seg.job:  # a new job: as `MqttLink.join`
+            self.conn.subscribe([(topics.job_broadcasts(seg.job), 1),
+                                 (topics.job_broadcasts(topics.star(seg.job)), 1)])  # fmt: skip
+            self.hello(seg.job)
+        self.pending = seg
+        if self.params.numel:  # this process knows the model's size: no need to wait
+            self._begin(seg)
+
+    def _on_model(self, msg: ControlMessage) -> None:
+        seg = self.pending
+        if seg is None or msg.job != seg.job or msg.round != seg.start:
+            return
+        self.params.numel = self.params.numel or len(msg.blob) // 4
+        self._begin(seg)
+
+    def _begin(self, seg: Segment) -> None:
+        self.pending, self.seg = None, seg
+        self._send(seg, "ack", {"epoch": seg.epoch, "start_round": seg.start, "step_s": 0.01,
+                                "numel": self.params.numel})  # fmt: skip
+        if not self.times.ack:
+            self.times.ack = time.monotonic()
+        body = self._async_member if seg.asynchronous else self._star_member
+        seg.task = asyncio.create_task(self._guard(seg, body(seg)))
+
+    def _on_ack(self, msg: ControlMessage) -> None:
+        seg = self.seg
+        if seg is not None and msg.doc.get("epoch") == seg.epoch:
+            seg.acked = max(seg.acked, int(msg.doc.get("round", 0)))
+            if msg.doc.get("send") == "model":  # its copy is off: the head's whole model
+                self._upload(seg, int(msg.doc.get("round", 0)))
+            seg.acks.set()
+
+    def _on_bye(self, msg: ControlMessage) -> None:
+        seg = self.seg
+        if msg.doc.get("why") == "done":
+            self.times.done = time.monotonic()
+            self.hello("")
+            self.finished.set()
+        elif seg is not None and seg.task is not None and not seg.task.done():
+            seg.task.cancel()
+            held = self.params.sha256(seg.committed)
+            self._send(seg, "nack", {"epoch": seg.epoch, "committed": seg.committed,
+                                     "why": "halted", "sha256": held})  # fmt: skip
+
+    def _on_reply(self, data: bytes) -> None:
+        seg = self.seg
+        if seg is None:
+            return
+        try:
+            frame = decode_compact(data, job=seg.channel_job, src=COORD, dsts=(self.me, "*"),
+                                   key=seg.key, limits=seg.limits)  # fmt: skip
+            done = seg.parts.add(frame)
+        except FrameError:
+            self.times.refused += 1
+            return
+        if done is not None:
+            seg.replies.put_nowait((done[0].round, done[0].phase, bytes(done[1])))
+
+    # -- a segment --------------------------------------------------------------------
+
+    async def _guard(self, seg: Segment, body: Any) -> None:
+        try:
+            await body
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug or a lost broker: report it as a real agent does
+            log.warning("%s: segment %d failed: %r", self.me, seg.epoch, exc)
+            self._send(seg, "nack", {"epoch": seg.epoch, "committed": seg.committed,
+                                     "why": f"error: {exc}"})  # fmt: skip
+
+    async def _star_member(self, seg: Segment) -> None:
+        spec = seg.spec
+        rounds, every = int(spec["rounds"]), int(spec.get("checkpoint_every", 1))
+        eval_every, timeout = int(spec.get("eval_every", 10)), float(spec.get("timeout_s", 60))
+        up = self._up_payload(seg)
+        uploaded, base = seg.start, -1
+        for r in range(seg.start, rounds):
+            if seg.head:
+                await self._gate(seg, r - r % every, timeout * 3)
+            if seg.rank in sampled(int(spec.get("seed", 0)), r, seg.world,
+                                   float(spec.get("sample", 1.0))):  # fmt: skip
+                self._send_up(seg, up, r)
+            await self._reply(seg, r, ("down",), timeout)
+            seg.committed, self.times.rounds = r + 1, self.times.rounds + 1
+            if (r + 1) % every == 0:
+                base = self._checkpoint(seg, r + 1, base)
+                uploaded = r + 1
+            self._metrics(seg, r + 1, eval_every, rounds)
+        if uploaded != seg.committed:
+            self._checkpoint(seg, seg.committed, base)
+        if seg.head:
+            await self._gate(seg, seg.committed, timeout * 3)
+        self._bye(seg, seg.committed)
+
+    async def _async_member(self, seg: Segment) -> None:
+        timeout = float(seg.spec.get("timeout_s", 60))
+        up, cycle = self._up_payload(seg), 0
+        while True:
+            self._send_up(seg, up, cycle)
+            phase, body = await self._reply(seg, cycle, ("down", "end"), timeout, any_round=True)
+            cycle += 1
+            self.times.rounds += 1
+            if phase == "end":
+                break
+        # The final model is the reply's one fp32 array: its bytes hash as the centre's do.
+        self._bye(seg, cycle, hashlib.sha256(body).hexdigest())
+
+    def _up_payload(self, seg: Segment) -> tuple[dict[str, Any], bytes]:
+        spec = seg.spec
+        g = int(spec.get("group_size", 256))
+        k = min(g, max(1, round(float(spec.get("density", 0.01)) * g)))
+        return star_payload(self.params.numel, g, k, str(spec.get("value_dtype", "fp16")))
+
+    def _send_up(self, seg: Segment, up: tuple[dict[str, Any], bytes], r: int) -> None:
+        meta, body = up
+        template = Frame(kind="chunk", job=seg.channel_job, src=self.me, dst=COORD, seq=0,
+                         round=r, step=0, phase="up", meta=meta)  # fmt: skip
+        frames = split_payload(template, body, self._seq, seg.limits)
+        self._seq += len(frames)
+        topic = topics.inbox(topics.star(seg.job), COORD, self.me)
+        for frame in frames:
+            self.conn.publish(topic, encode_compact(frame, seg.key))
+
+    async def _reply(self, seg: Segment, r: int, phases: tuple[str, ...], timeout: float,
+                     any_round: bool = False) -> tuple[str, bytes]:  # fmt: skip
+        """The centre's reply (phase, payload body) for round `r` (any round: async)."""
+        while True:
+            got, phase, body = await asyncio.wait_for(seg.replies.get(), timeout)
+            if phase in phases and (any_round or got == r):
+                return phase, body
+
+    async def _gate(self, seg: Segment, need: int, patience: float) -> None:
+        """The head starts a round once the checkpoint before it is saved (`Running.gate`)."""
+        deadline = time.monotonic() + patience
+        while seg.acked < need:
+            seg.acks.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no checkpoint ack for round {need}")
+            try:
+                await asyncio.wait_for(seg.acks.wait(), left)
+            except TimeoutError:
+                continue
+
+    def _checkpoint(self, seg: Segment, r: int, base: int) -> int:
+        """The checkpoint stream (`edge_agent.checkpoint_stream`): the head's dense upload
+        at the segment's first, every other member's patch of its slice after it."""
+        if seg.head:
+            if base < 0:
+                self._upload(seg, r)
+            return r
+        if base < 0:
+            return r  # the head's dense upload is the base
+        n, i = seg.world - 1, seg.rank - 1
+        lo, hi = self.params.numel * i // n, self.params.numel * (i + 1) // n
+        doc, blob = encode_patch(self.params.at(base)[lo:hi], self.params.at(r)[lo:hi], lo=lo)
+        doc = {"round": r, "epoch": seg.epoch, "from": base, "sha256": self.params.sha256(r), **doc}
+        self._send(seg, "model", doc, blob, round=r)
+        return r
+
+    def _upload(self, seg: Segment, r: int) -> None:
+        doc = {"round": r, "sha256": self.params.sha256(r), "epoch": seg.epoch}
+        self._send(seg, "model", doc, self.params.at(r).tobytes(), round=r)
+
+    def _metrics(self, seg: Segment, rnd: int, eval_every: int, rounds: int) -> None:
+        evaluated = rnd % eval_every == 0 or rnd == rounds
+        if not (seg.head or evaluated):
+            return
+        row: dict[str, Any] = {"round": rnd, "loss": 0.0, "lr": 0.0, "bytes_sent":
+                               self.conn.bytes_sent, "machine": self.settings.machine,
+                               "epoch": seg.epoch}  # fmt: skip
+        if evaluated:
+            row.update(accuracy=0.0, test_loss=0.0, sha256=self.params.sha256(rnd))
+        [frame] = self.codec.encode("metrics", seg.job, COORD, row)
+        self.conn.publish(topics.metrics(seg.job, self.me), frame)
+
+    def _bye(self, seg: Segment, rounds: int, sha256: str = "") -> None:
+        self._send(seg, "bye", {"rounds": rounds, "accuracy": 0.0, "test_loss": 0.0,
+                                "sha256": sha256 or self.params.sha256(rounds), "rollbacks": 0,
+                                "epoch": seg.epoch, "ring_bytes_sent": 0,
+                                "link_bytes_sent": self.conn.bytes_sent,
+                                "checkpoint_bytes_sent": 0, "counters": {},
+                                "threads": 1})  # fmt: skip
+
+    def _send(self, seg: Segment, kind: str, doc: dict[str, Any], blob: bytes = b"", *,
+              round: int = 0) -> None:  # fmt: skip
+        for frame in self.codec.encode(kind, seg.job, COORD, doc, blob, round=round):
+            self.conn.publish(topics.inbox(seg.job, COORD, self.me), frame)
