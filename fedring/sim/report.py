@@ -41,8 +41,8 @@ def write_outputs(out: Path, spec: JobSpec, summary: dict[str, Any]) -> dict[str
 
 
 BASELINE_KEYS = (
-    "final_accuracy", "rounds", "bytes_sent_per_agent", "wall_seconds", "sim_seconds",
-    "sim_seconds_to_target", "sim_rounds_to_target", "fleet",
+    "final_accuracy", "rounds", "bytes_sent_per_agent", "wall_seconds", "setup_seconds",
+    "sim_seconds", "sim_seconds_to_target", "sim_rounds_to_target", "fleet",
 )  # fmt: skip
 
 
