@@ -23,6 +23,7 @@ answered 500; it never reaches the job's thread.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -73,11 +74,16 @@ def _assets() -> dict[str, Asset]:
 
 
 def state_json(feed: JobFeed, since: int | None = None) -> dict[str, Any]:
-    """What ``/api/state`` serves: the snapshot, its rows after round `since` if given."""
-    state = feed.snapshot().as_json()
-    if since is not None:
-        state["rows"] = [r for r in state["rows"] if r["round"] > since]
-        state["since"] = since
+    """What ``/api/state`` serves: the snapshot, its rows after round `since` if given
+    (the header's figures still come from every row: the last accuracy may be older)."""
+    snap = feed.snapshot()
+    if since is None:
+        return snap.as_json()
+    newer = tuple(r for r in snap.rows if r["round"] > since)
+    state = dataclasses.replace(snap, rows=newer).as_json()  # only these are converted
+    eta = snap.eta_s
+    state.update(accuracy=snap.accuracy, bytes_sent=snap.bytes_sent, since=since,
+                 eta_s=None if eta is None else round(eta, 1))  # fmt: skip
     return state
 
 

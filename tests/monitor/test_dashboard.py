@@ -89,7 +89,9 @@ def test_state_is_the_feed_and_since_sends_the_newer_rows(
     assert state["rows"][-1]["loss"] is None  # NaN is no JSON: it comes as null
     newer = json.loads(get(b, "/api/state?since=3")[2])
     assert [r["round"] for r in newer["rows"]] == [4, 5] and newer["since"] == 3
-    assert json.loads(get(b, "/api/state?since=99")[2])["rows"] == []
+    latest = json.loads(get(b, "/api/state?since=99")[2])
+    assert latest["rows"] == [] and latest["round"] == 5
+    assert latest["accuracy"] == 0.5 and latest["bytes_sent"] == 500  # from the older rows
 
 
 @pytest.mark.parametrize("query", ["since=-1", "since=x", "since=1e3", "since=", "since=9&since=",
