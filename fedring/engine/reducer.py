@@ -275,6 +275,7 @@ class Reducer:
         """`scaled` for a dense round: under group-top-k switched to dense, plus what
         error feedback still holds, which is then empty (flushed, not kept: the dense
         round delivers it now rather than whenever top-k next runs, or never)."""
+        self.last_error = 0.0  # every entry goes out
         if self.topk is None or ef is None or not bool(ef.residual.any()):
             return scaled
         out = ef.compensate(scaled).clone()

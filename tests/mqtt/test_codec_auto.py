@@ -1,0 +1,68 @@
+"""``compression = "auto"`` over a real Mosquitto: the coordinator's plan names the
+codec too, the manifests carry it, and a re-plan from group-top-k to the dense ring
+mid-job keeps the members identical and flushes their error-feedback residuals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fedring.collective.cost import Choice
+from fedring.config import JobSpec
+from fedring.coordinator.collectives import CollectivePlans
+from fedring.coordinator.service import Coordinator, Options
+from fedring.transport.mosquitto import Mosquitto
+from fedring.transport.mqtt import BrokerConfig
+from tests.mqtt.conftest import Fleet
+
+SWITCH_AT = 20
+
+
+class _DenseAt(CollectivePlans):
+    """Group-top-k first, then one re-plan to the dense ring once the head's row of
+    round `SWITCH_AT` arrives (when to re-plan is `tests/coordinator/test_replan.py`'s)."""
+
+    def observe(self, spec: JobSpec, rnd: int, row: dict) -> None:
+        self.seen = rnd
+
+    def replan(self, spec: JobSpec) -> str:
+        if len(self.epochs) > 1 or getattr(self, "seen", 0) < SWITCH_AT:
+            return ""
+        return "the test switches to dense"
+
+    def plan(self, spec, epoch, members, fleet, numel, start):  # type: ignore[no-untyped-def]
+        super().plan(spec, epoch, members, fleet, numel, start)
+        chosen = "dense ring" if epoch > 0 else "ring"
+        self.epochs[-1].choice = Choice(chosen, self.epochs[-1].choice.predicted_s)
+        return "ring"
+
+
+def test_a_switch_to_dense_mid_job_flushes_the_residual(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    spec = JobSpec.from_mapping({"agents": 4, "dataset": "digits", "eval_every": 10,
+                                 "seed": 0, "timeout_s": 20.0, "rounds": 50,
+                                 "compression": "auto", "density_warmup": 0,
+                                 "checkpoint_every": 1000})  # fmt: skip
+    coord = Coordinator(spec, BrokerConfig.parse(broker.url), Options(out=tmp_path / "run"))
+    coord.collectives = _DenseAt()
+    summary = coord.run()
+    sparse, dense = summary["collective"]
+    assert set(sparse["predicted_s"]) == {"dense ring", "ring"}
+    assert (sparse["chosen"], sparse["codec"]) == ("ring", "group-topk")
+    assert (dense["chosen"], dense["codec"]) == ("dense ring", "dense")
+    assert summary["codec"]["compression"] == "auto"
+    assert summary["identical_models"] and summary["rounds"] == 50
+    assert summary["coordinator_counters"]["collective_replanned"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]  # fmt: skip
+    last = {r["round"]: r for r in rows}  # a round run again: its last row
+    before = [last[r] for r in range(1, dense["from_round"])]
+    after = [last[r] for r in range(dense["from_round"] + 1, 51)]
+    assert {r["codec"] for r in before} == {"group-topk"} and {r["codec"] for r in after} == {
+        "dense"
+    }
+    assert all(r["residual_norm"] > 0 for r in before)  # top-k held some back
+    assert all(r["residual_norm"] == 0 for r in after)  # flushed, and nothing held since
+    # a dense all-reduce is the plain sum: every entry of the dense rounds goes out
+    assert all(r["compression_error"] == 0 for r in after)
