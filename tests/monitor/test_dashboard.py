@@ -254,7 +254,8 @@ def _check_page(page: Any, url: str, tmp_path: Path) -> None:
     # the curves are drawn from the rows: uPlot's canvas is there and sized
     assert page.locator("#chart-loss canvas").bounding_box()["width"] > 200
     page.wait_for_function(reached, arg=12, timeout=30_000)  # an evaluation is in
-    page.wait_for_function("() => document.querySelector('#accuracy').textContent > '0.'")
+    page.wait_for_function(r"() => /^[01]\.\d{4}$/.test(document.querySelector('#accuracy')"
+                           ".textContent)")  # fmt: skip
     assert "fewer bytes" in (page.text_content("#ratio") or "")
     page.screenshot(path=str(tmp_path / "dashboard.png"))
     assert not problems, problems  # no script error, no CSP refusal, nothing fetched elsewhere
