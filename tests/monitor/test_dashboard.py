@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -200,8 +201,6 @@ def _dashboard_url(log: Path, proc: subprocess.Popen[bytes]) -> str:
 @pytest.mark.skipif(bool(MISSING), reason=MISSING or "mosquitto present")
 @pytest.mark.skipif(bool(NO_CHROMIUM), reason=NO_CHROMIUM or "chromium present")
 def test_the_page_shows_a_running_job_in_chromium(fleet: Fleet, tmp_path: Path) -> None:
-    from playwright.sync_api import sync_playwright
-
     job = job_toml(tmp_path, rounds=400, compression="group-topk", density=0.01)
     log = tmp_path / "coordinator.log"
     args = [sys.executable, "-m", "fedring", "coordinator", "run", str(job), "--broker",
@@ -211,13 +210,8 @@ def test_the_page_shows_a_running_job_in_chromium(fleet: Fleet, tmp_path: Path) 
                                 start_new_session=True)  # fmt: skip
     try:
         url = _dashboard_url(log, proc)
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            try:
-                _check_page(browser.new_page(viewport={"width": 1280, "height": 900}), url,
-                            tmp_path)  # fmt: skip
-            finally:
-                browser.close()
+        with chromium_page(url) as (page, problems):
+            _check_page(page, problems, tmp_path)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -228,12 +222,55 @@ def test_the_page_shows_a_running_job_in_chromium(fleet: Fleet, tmp_path: Path) 
                 proc.wait(5)
 
 
-def _check_page(page: Any, url: str, tmp_path: Path) -> None:
-    problems: list[str] = []
-    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: problems.append(str(e)))
-    page.on("request", lambda r: None if r.url.startswith(url) else problems.append(r.url))
-    page.goto(url)
+@contextmanager
+def chromium_page(url: str) -> Iterator[tuple[Any, list[str]]]:
+    """A page of Debian's headless Chromium at `url`, and the problems it logs (script
+    errors, CSP refusals, requests to anywhere else)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            problems: list[str] = []
+            page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.on("request", lambda r: None if r.url.startswith(url) else problems.append(r.url))
+            page.goto(url)
+            yield page, problems
+        finally:
+            browser.close()
+
+
+HOSTILE = "<img src=x onerror=\"document.title='pwned'\">"
+
+
+@pytest.mark.skipif(bool(NO_CHROMIUM), reason=NO_CHROMIUM or "chromium present")
+def test_the_page_follows_a_redone_round_and_shows_names_as_text() -> None:
+    """A re-formed ring runs rounds again: the curve drops the old ones. Agent names and
+    event texts from the network are text, never markup."""
+    feed = JobFeed(job="j", rounds=50, agents=2)
+    feed.members(["a0", HOSTILE], "ring")
+    for r in range(1, 11):
+        feed.round({"round": r, "loss": 1.0, "bytes_sent": 10 * r})
+    points = "(n) => document.getElementById('chart-loss').dataset.points === String(n)"
+    with dashboard_server(feed, 0, announce=None) as b, chromium_page(b.url) as (page, problems):
+        page.wait_for_function(points, arg=10, timeout=20_000)
+        feed.event("re-formed", HOSTILE)
+        feed.round({"round": 6, "loss": 0.5, "bytes_sent": 60})  # rounds 6.. again
+        page.wait_for_function(points, arg=6, timeout=20_000)
+        for r in range(7, 9):
+            feed.round({"round": r, "loss": 0.5, "bytes_sent": 10 * r})
+        page.wait_for_function(points, arg=8, timeout=20_000)
+        assert page.get_attribute("#round", "data-round") == "8"
+        names = page.eval_on_selector_all("#ring text", "els => els.map(e => e.textContent)")
+        assert HOSTILE in names, names
+        assert HOSTILE in (page.text_content("#events") or "")
+        assert page.locator("img").count() == 0 and "pwned" not in page.title()
+        assert not problems, problems
+
+
+def _check_page(page: Any, problems: list[str], tmp_path: Path) -> None:
     # functions, not expressions: the page's CSP forbids Playwright's eval of a string
     shown = "() => Number(document.querySelector('#round').dataset.round)"
     reached = "(n) => Number(document.querySelector('#round').dataset.round) >= n"
