@@ -78,8 +78,12 @@ class StarCentre:
         self.stop()
         self._channel_job = f"{self.job}.e{epoch}"
         limits = FrameLimits(max_frame_bytes=max_frame_bytes) if max_frame_bytes else None
+        # The centre takes a round's updates member by member, whatever order they come
+        # in: its stash must hold all the others' (the default 256 evicts some, and the
+        # round waits for an evicted update until it times out, beyond 256 members).
         channel = PeerChannel(self.endpoint, self._channel_job, key=self.key,
-                              counters=self.counters, limits=limits)  # fmt: skip
+                              counters=self.counters, limits=limits,
+                              max_stash=max(256, 4 * len(members)))  # fmt: skip
         if spec.sync == "async":
             work = self._async_body(spec, channel, members, start_round, params, evaluate)
         else:
