@@ -33,6 +33,7 @@ from fedring.engine.plan import Plan
 from fedring.engine.resync import Drift
 from fedring.engine.resync import summarise as summarise_drift
 from fedring.firmware_profiles.schema import Profile
+from fedring.sim.shared_eval import SharedEvaluation, shareable
 from fedring.training.datasets import Dataset
 from fedring.training.models import param_count, params_sha256
 from fedring.transport.inproc import InprocTransport
@@ -93,6 +94,10 @@ def simulate(
                      attack=attack if r in ranks else None, counters=counters)
         for r in range(spec.agents)
     ]
+    if shareable(p.task):  # sync members hold equal parameters: one evaluation, not N
+        evaluate = SharedEvaluation(members[0].evaluate)
+        for m in members:
+            m.evaluate = evaluate
     if perturb is not None:
         for r, m in enumerate(members):
             m.before_round = lambda rnd, r=r, model=m.state.model: perturb(r, rnd, model)
