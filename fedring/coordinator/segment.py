@@ -146,10 +146,15 @@ class SegmentRunner(ControlPort):
                             "async" if self.asynchronous else "ring",
                             self.fleet.mixed(ep.members), collective, ep.held,
                             self.collectives.codec())  # fmt: skip
+        # Every manifest before any model: a member joins the job (and subscribes to its
+        # broadcasts) at its manifest, and none starts round 0 before its model, so no
+        # member broadcasts before every member has subscribed (sending each member its
+        # manifest and model in turn, a fan-out over Aedes lost a round-0 broadcast).
         for agent, doc in docs.items():
             self._send(agent, "manifest", doc, sign=False)
-            if ck.params is not None and not ep.held:
-                blob = ck.params.numpy().astype("<f4").tobytes()
+        if ck.params is not None and not ep.held:
+            blob = ck.params.numpy().astype("<f4").tobytes()
+            for agent in docs:
                 self._send(agent, "model", {"round": ck.round}, blob, round=ck.round)
         stall = self._stall(ep.members)
         acks_by = Deadline.after(self.opts.ack_timeout_s)
