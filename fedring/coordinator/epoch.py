@@ -36,6 +36,7 @@ class Epoch:
     gone: set[str] = field(default_factory=set)  # an asynchronous job goes on without them
     held: str = ""  # sha256 of the state at `start` every member holds (no model sent)
     halted: dict[str, tuple[int, str]] = field(default_factory=dict)  # round, sha256 at halt
+    _unacked: tuple[int, list[str]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def finished(self) -> bool:
@@ -43,8 +44,12 @@ class Epoch:
         return bool(self.done) and set(self.members) <= set(self.done) | self.gone
 
     def unacked(self) -> list[str]:
-        """The members that have not acknowledged their manifest, sorted."""
-        return sorted(set(self.members) - self.acks)
+        """The members that have not acknowledged their manifest, sorted. The segment's
+        loop asks after every control message: worked out again only when an ack came
+        (acks only grow), not N^2 a round for a thousand members."""
+        if self._unacked is None or self._unacked[0] != len(self.acks):
+            self._unacked = (len(self.acks), sorted(set(self.members) - self.acks))
+        return list(self._unacked[1])
 
     def went(self, who: str) -> bool:
         """An asynchronous job goes on without `who`; True the first time only."""

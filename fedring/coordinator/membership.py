@@ -31,13 +31,41 @@ def number(value: Any) -> float:
     return figure if math.isfinite(figure) and figure >= 0 else 0.0
 
 
+class Hellos(dict[str, dict[str, Any]]):
+    """Agent -> its hello, counting the writes (`version`): what `Fleet.stall` reads from
+    them changes only when this does."""
+
+    version = 0
+
+    def __setitem__(self, agent: str, hello: dict[str, Any]) -> None:
+        self.version += 1
+        super().__setitem__(agent, hello)
+
+    def __delitem__(self, agent: str) -> None:
+        self.version += 1
+        super().__delitem__(agent)
+
+    def pop(self, agent: str, *default: Any) -> Any:
+        self.version += 1
+        return super().pop(agent, *default)
+
+
 @dataclass
 class Fleet:
-    hellos: dict[str, dict[str, Any]] = field(default_factory=dict)  # agent -> its hello
+    hellos: dict[str, dict[str, Any]] = field(default_factory=Hellos)  # agent -> its hello
     step_s: dict[str, float] = field(default_factory=dict)  # a step of the job's model
     numel: int = 0  # parameters of the job's model, from the first ack
+    # `stall`'s last answer and what it depended on: the segment's loop asks after every
+    # control message, and working it out is O(N) (N^2 a round for a thousand members).
+    _stall: tuple[list[str], tuple[Any, ...], float] | None = field(default=None, repr=False)
+    _acks: int = field(default=0, repr=False)  # on_ack calls: step_s and numel change there
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hellos, Hellos):
+            self.hellos = Hellos(self.hellos)
 
     def on_ack(self, agent: str, doc: dict[str, Any]) -> None:
+        self._acks += 1
         if "step_s" in doc:
             self.step_s[agent] = number(doc["step_s"])
         self.numel = self.numel or int(number(doc.get("numel", 0)))
@@ -79,9 +107,19 @@ class Fleet:
 
     def stall(self, members: list[str], step_timeout_s: float) -> float:
         """How long without progress ends an epoch: the longest of 3 ring-step
-        deadlines, 20 estimated rounds, and the slowest member's round deadline."""
+        deadlines, 20 estimated rounds, and the slowest member's round deadline.
+        Worked out again only when the members, a hello or an ack changed (the members
+        list by identity, held here: a segment keeps one; `step_s` changes in `on_ack`)."""
+        hellos = self.hellos
+        version = hellos.version if isinstance(hellos, Hellos) else None
+        key = (len(members), step_timeout_s, version, self._acks, len(self.step_s))
+        memo = self._stall
+        if memo is not None and version is not None and memo[0] is members and memo[1] == key:
+            return memo[2]
         deadline = max((self.profile(a, "round_deadline_s") for a in members), default=0.0)
-        return max(3 * step_timeout_s, 20 * self.round_estimate(members), deadline)
+        value = max(3 * step_timeout_s, 20 * self.round_estimate(members), deadline)
+        self._stall = (members, key, value)
+        return value
 
     def machine(self, agent: str) -> str:
         """The CPU architecture the agent announced (``platform.machine()``), "" unknown."""
