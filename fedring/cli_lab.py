@@ -211,9 +211,11 @@ def bench_grid_cmd(
     delay_ms: list[float] = typer.Option([0.0, 20.0], "--delay-ms", help="Added one-way delay."),
     agents: list[int] = typer.Option([4], "--agents", help="N agents; repeat the flag."),
     method: list[str] = typer.Option(
-        ["ring", "fanout", "hub", "auto", "dense", "flower", "ddp", "powersgd2", "powersgd4"],
-        "--method", help="ring | fanout | hub | auto (group-top-k 1% + EF) | dense | flower | "
-        "ddp | powersgd2 | powersgd4; repeat the flag.",
+        ["ring", "fanout", "hub", "auto", "auto-codec", "dense", "flower", "ddp", "powersgd2",
+         "powersgd4"],
+        "--method", help="ring | fanout | hub | auto (group-top-k 1% + EF) | auto-codec "
+        "(compression and collective auto) | dense | flower | ddp | powersgd2 | powersgd4; "
+        "repeat the flag.",
     ),
     cap_s: float = typer.Option(60.0, "--cap-s", help="Training seconds per run at most."),
     budget_s: float | None = typer.Option(
@@ -222,6 +224,12 @@ def bench_grid_cmd(
     seed: int = typer.Option(0, "--seed"),
     out: Path = typer.Option(Path("runs/lab-grid"), "--out", help="grid.json, grid.md, grid.png."),
     timeout: float = typer.Option(600.0, "--timeout", help="Per run, seconds, start-up included."),
+    resume: Path | None = typer.Option(
+        None, "--resume", metavar="DIR",
+        help="Go on with the grid in DIR (its --out): keep the runs in DIR/grid.json, run "
+        "only the missing ones (over its cells and methods and these flags'), re-make the "
+        "table and plot from all. Use with --budget-s to finish a grid in sittings.",
+    ),
     report_only: bool = typer.Option(
         False, "--report-only",
         help="Run nothing: re-make OUT/grid.md and grid.png from OUT/grid.json (and each "
@@ -237,6 +245,7 @@ def bench_grid_cmd(
     from fedring.lab import netns
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    out = resume or out
     if report_only:
         try:
             doc = json.loads((out / "grid.json").read_text())
@@ -252,7 +261,9 @@ def bench_grid_cmd(
         methods = lab_grid.check_methods(method)
         if cap_s <= 0 or any(b <= 0 for b in bandwidth) or any(d < 0 for d in delay_ms):
             raise lab_grid.GridError("--cap-s and --bandwidth must be > 0, --delay-ms >= 0")
-    except lab_grid.GridError as exc:
+        if resume is not None:  # refuse another cap or seed before building anything
+            lab_grid.stored(resume, cap_s, seed)
+    except (lab_grid.GridError, lab_grid.ResumeError) as exc:
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
     why = netns.can_build()
@@ -278,7 +289,7 @@ def bench_grid_cmd(
 
     doc = lab_grid.run(models, tuple(bandwidth), tuple(delay_ms), tuple(agents), methods,
                        cap_s=cap_s, budget_s=budget_s, seed=seed, out=out, timeout_s=timeout,
-                       on_run=tell)  # fmt: skip
+                       on_run=tell, resume=resume is not None)  # fmt: skip
     print((out / "grid.md").read_text())
     print(f"json: {out / 'grid.json'}  plot: {doc.get('plot')}  "
           f"({doc['bench_seconds']:.0f} s in all)")  # fmt: skip

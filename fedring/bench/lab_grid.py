@@ -6,7 +6,9 @@ whose links are re-shaped (`tc qdisc replace`) and whose delay is re-set between
 cells rather than rebuilt:
 
 - fedring, group-top-k 1 % + error feedback, sync, ``collective`` = ring | fanout |
-  hub | auto (``ring``, ``fanout``, ``hub``, ``auto``), and the dense ring (``dense``);
+  hub | auto (``ring``, ``fanout``, ``hub``, ``auto``), the dense ring (``dense``),
+  and ``auto-codec``: ``compression = "auto"`` with ``collective = "auto"``, the codec
+  (dense fp32 or group-top-k 1 %) chosen with the collective (`fedring.choose`);
 - Flower FedAvg through a SuperLink on the hub (``flower``);
 - torch DDP over gloo (``ddp``), and with torch's PowerSGD hook of rank 2 and 4
   (``powersgd2``, ``powersgd4``).
@@ -28,16 +30,20 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from fedring.bench.lab_grid_cpu import CPU_BOUND, CpuShare
 from fedring.bench.lab_grid_methods import METHODS
+from fedring.bench.lab_grid_resume import ResumeError, done, record, resumed, stored
 from fedring.config import JobSpec
 from fedring.lab.lab import Lab, LabRunError
 from fedring.lab.netns import AGENT_IFACE, LabError
+from fedring.report.files import atomic_write
 
 TARGETS = {"digits": 0.95, "mnist1d": 0.85}  # the edge-lab bench's targets
 EVAL_EVERY = {"digits": 5, "mnist1d": 10}
@@ -54,8 +60,13 @@ FEDRING: dict[str, dict[str, Any]] = {
     "fanout": {**GROUP_TOPK, "collective": "fanout"},
     "hub": {**GROUP_TOPK, "collective": "hub"},
     "auto": {**GROUP_TOPK, "collective": "auto"},
+    # compression "auto": dense fp32 or group-top-k 1 %, chosen with the collective
+    "auto-codec": {"compression": "auto", "density": 0.01, "collective": "auto"},
     "dense": {"compression": "none"},
 }
+
+
+__all__ = ["ResumeError", "run", "stored", "write"]
 
 
 class GridError(ValueError):
@@ -143,6 +154,10 @@ class Run:
     collective: str = ""  # auto: the algorithm the coordinator chose
     round_ms: float | None = None  # fedring's: median wall ms from one round's row to the next
     error: str = ""
+    # the agents' CPU seconds / (wall x cores), and the whole machine's busy fraction
+    # (`lab_grid_cpu`): a run with agents_cpu_share >= CPU_BOUND is CPU-bound
+    agents_cpu_share: float | None = None
+    machine_cpu_busy: float | None = None
     curve: list[tuple[float, float]] = field(default_factory=list)  # (seconds, accuracy)
 
 
@@ -188,8 +203,8 @@ def fedring_run(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int, out:
     received = [b[1] for b in result["link_bytes"].values()]
     run.bytes_sent_per_agent = sum(sent) / len(sent)
     run.bytes_received_per_agent = sum(received) / len(received)
-    run.collective = chosen_collective(result) if method == "auto" else FEDRING[method].get(
-        "collective", "ring")  # fmt: skip
+    run.collective = (chosen_collective(result) if method in ("auto", "auto-codec")
+                      else FEDRING[method].get("collective", "ring"))  # fmt: skip
     if not result["summary"].get("identical_models", True):
         run.error = "models differ"
     return run, bool(result.get("capped"))
@@ -220,10 +235,13 @@ def fill_round_ms(doc: dict[str, Any], out: Path) -> dict[str, Any]:
 
 def chosen_collective(result: dict[str, Any]) -> str:
     """The algorithms `collective = "auto"` ran, in order ("fanout", "ring→fanout"),
-    from the rows' ``collective`` field; "?" where no row says."""
+    from the rows' ``collective`` field, with their ``codec`` where it was chosen too
+    ("dense ring→fanout"); "?" where no row says."""
     seen: list[str] = []
     for row in result["rows"]:
         value = row.get("collective")
+        if isinstance(value, str) and row.get("codec") == "dense":
+            value = f"dense {value}"
         if isinstance(value, str) and value != "auto" and (not seen or seen[-1] != value):
             seen.append(value)
     return "→".join(seen) or "?"
@@ -266,6 +284,9 @@ def peer_run(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int, out: Pa
     return run
 
 
+Measure = Callable[[Any, Cell, str], tuple[Run, bool]]  # (lab, cell, method): run, capped
+
+
 def run(
     models: tuple[Model, ...],
     bandwidths: tuple[float, ...],
@@ -279,77 +300,126 @@ def run(
     out: Path = Path("runs/lab-grid"),
     timeout_s: float = 600.0,
     on_run: Callable[[Run], None] | None = None,
+    resume: bool = False,
+    open_lab: Callable[[int, float, Path], AbstractContextManager[Any]] | None = None,
+    measure: Measure | None = None,
 ) -> dict[str, Any]:
     """Every method in every cell, in the order N, bandwidth, delay, model (the last
     varies fastest). ``grid.json``, ``grid.md`` and ``grid.png`` are rewritten after
-    every cell. With `budget_s`, no cell starts after that many seconds: the ones left
-    are listed in ``not_run``."""
+    every run. With `budget_s`, no cell starts after that many seconds: the ones left
+    are listed in ``not_run``. With `resume`, the runs already in ``out/grid.json`` are
+    kept and only the missing ones run, over the union of its axes and these
+    (`lab_grid_resume`). `open_lab` and `measure` stand in for `Lab` and the methods'
+    runners (a test's)."""
     out.mkdir(parents=True, exist_ok=True)
-    runs: list[Run] = []
     start = time.monotonic()
-    doc: dict[str, Any] = {
+    fresh: dict[str, Any] = {
         "cap_s": cap_s, "budget_s": budget_s, "seed": seed, "models": [m.key for m in models],
         "bandwidths_mbps": list(bandwidths), "delays_ms": list(delays), "agents": list(agents),
         "methods": list(methods), "bench_seconds": 0.0, "runs": [], "not_run": [],
+        "invocations": 1, "cpu_bound_share": CPU_BOUND,
     }  # fmt: skip
-    peers = [m for m in methods if m not in FEDRING]
-    mine = [m for m in methods if m in FEDRING]
-    for n in agents:
-        cells = [Cell(n, bw, d, m) for bw in bandwidths for d in delays for m in models]
-        if budget_s is not None and time.monotonic() - start >= budget_s:
-            doc["not_run"] += [asdict(c) for c in cells]
+    doc = resumed(out, fresh) if resume else fresh
+    doc["not_run"], spent, have = [], float(doc["bench_seconds"]), done(doc)
+    lab_of = open_lab or (lambda n, bw, where: Lab(n, bw, workdir=where))
+    one = measure or (lambda lab, cell, m: _measure(lab, cell, m, cap_s, seed, timeout_s))
+    wanted = tuple(m for m in doc["methods"] if m in METHODS)
+    models = tuple(parse_model(m) for m in doc["models"])
+
+    def over() -> bool:
+        return budget_s is not None and time.monotonic() - start >= budget_s
+
+    def save() -> None:
+        doc["bench_seconds"] = spent + time.monotonic() - start
+        write(doc, out)
+
+    for n in doc["agents"]:
+        todo = [(c, [m for m in wanted if (*cell_key(c), m) not in have])
+                for c in (Cell(n, bw, d, m) for bw in doc["bandwidths_mbps"]
+                          for d in doc["delays_ms"] for m in models)]  # fmt: skip
+        todo = [(c, missing) for c, missing in todo if missing]
+        if todo and over():
+            doc["not_run"] += [asdict(c) for c, _ in todo]
+        if not todo or over():
             continue
-        with Lab(n, bandwidths[0], workdir=out / f"n{n}") as lab:
-            for cell in cells:
-                if budget_s is not None and time.monotonic() - start >= budget_s:
+        with lab_of(n, doc["bandwidths_mbps"][0], out / f"n{n}") as lab:
+            for cell, missing in todo:
+                if over():
                     doc["not_run"].append(asdict(cell))
                     continue
                 lab.reshape(cell.bandwidth_mbps)
                 lab.set_delay(cell.delay_ms)
-                for method in peers:  # before the agent daemons start
-                    runs.append(_guarded(cell, method, cap_s, lambda: peer_run(
-                        lab, cell, method, cap_s, seed, lab.workdir, timeout_s)))  # noqa: B023
-                    _tell(on_run, runs[-1])
-                _fedring_cell(lab, cell, mine, cap_s, seed, timeout_s, runs, on_run)
-                doc.update(bench_seconds=time.monotonic() - start, runs=[asdict(r) for r in runs])
-                write(doc, out)
-    doc.update(bench_seconds=time.monotonic() - start, runs=[asdict(r) for r in runs])
-    return write(doc, out)
+                for found in _cell(lab, cell, missing, one, cap_s):
+                    record(doc, asdict(found))
+                    save()  # each run kept the moment it ends: a cut-short grid loses nothing
+                    _tell(on_run, found)
+    save()
+    return doc
+
+
+def cell_key(cell: Cell) -> tuple[int, float, float, str]:
+    return (cell.agents, float(cell.bandwidth_mbps), float(cell.delay_ms), cell.model.key)
 
 
 def write(doc: dict[str, Any], out: Path) -> dict[str, Any]:
     """``grid.json``, ``grid.md`` (the tables) and ``grid.png`` (the plot) in `out`."""
     from fedring.bench.lab_grid_report import plot, tables
 
-    (out / "grid.json").write_text(json.dumps(doc, indent=1))
-    (out / "grid.md").write_text(tables(doc) + "\n")
+    atomic_write(out / "grid.json", json.dumps(doc, indent=1))
+    atomic_write(out / "grid.md", tables(doc) + "\n")
     if doc["runs"]:
         doc["plot"] = str(plot(doc, out / "grid.png"))
     return doc
 
 
-def _fedring_cell(lab: Lab, cell: Cell, methods: list[str], cap_s: float, seed: int,
-                  timeout_s: float, runs: list[Run],
-                  on_run: Callable[[Run], None] | None) -> None:  # fmt: skip
-    if not methods:
+def _measure(lab: Lab, cell: Cell, method: str, cap_s: float, seed: int,
+             timeout_s: float) -> tuple[Run, bool]:  # fmt: skip
+    if method in FEDRING:
+        return fedring_run(lab, cell, method, cap_s, seed, lab.workdir, timeout_s)
+    return peer_run(lab, cell, method, cap_s, seed, lab.workdir, timeout_s), False
+
+
+def _agent_pids(lab: Any) -> list[int]:
+    """The processes on the agents' nodes (daemons, proxies, SuperNodes, DDP ranks)."""
+    return [p.pid for name, p in getattr(lab, "procs", []) if not name.startswith("hub:")
+            and p.poll() is None]  # fmt: skip
+
+
+def _cell(lab: Any, cell: Cell, methods: list[str], one: Measure,
+          cap_s: float) -> Iterator[Run]:  # fmt: skip
+    """Each of `methods` in `cell`: the peers before the agent daemons start, then
+    fedring's on one set of daemons (restarted after a capped or failed job, which may
+    still hold them), each with the agents' CPU share (`lab_grid_cpu`)."""
+    peers = [m for m in methods if m not in FEDRING]
+    mine = [m for m in methods if m in FEDRING]
+    for method in peers:
+        yield _timed(lab, cell, method, cap_s, one)[0]
+    if not mine:
         return
     lab.start_agents()
     try:
-        for method in methods:
-            capped: list[bool] = []
-
-            def one() -> Run:
-                found, cut = fedring_run(lab, cell, method, cap_s, seed, lab.workdir, timeout_s)  # noqa: B023
-                capped.append(cut)  # noqa: B023
-                return found
-
-            runs.append(_guarded(cell, method, cap_s, one))
-            _tell(on_run, runs[-1])
-            if any(capped) or runs[-1].error:  # agents may still be in the stopped job
+        for method in mine:
+            found, cut = _timed(lab, cell, method, cap_s, one)
+            if cut or found.error:
                 lab.stop_agents()
                 lab.start_agents()
+            yield found
     finally:
         lab.stop_agents()
+
+
+def _timed(lab: Any, cell: Cell, method: str, cap_s: float, one: Measure) -> tuple[Run, bool]:
+    capped: list[bool] = []
+
+    def runner() -> Run:
+        found, cut = one(lab, cell, method)
+        capped.append(cut)
+        return found
+
+    with CpuShare(lambda: _agent_pids(lab)) as cpu:
+        found = _guarded(cell, method, cap_s, runner)
+    found.agents_cpu_share, found.machine_cpu_busy = cpu.share, cpu.machine
+    return found, any(capped)
 
 
 def _guarded(cell: Cell, method: str, cap_s: float, runner: Callable[[], Run]) -> Run:

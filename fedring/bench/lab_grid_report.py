@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from fedring.bench.lab_grid_cpu import CPU_BOUND
 from fedring.bench.lab_grid_methods import COMPRESSED, LABELS, PEERS
 
 CellKey = tuple[int, float, float, str]  # agents, Mbit/s, delay ms, model
@@ -24,10 +25,16 @@ def cells(doc: dict[str, Any]) -> Iterator[tuple[CellKey, dict[str, dict[str, An
     yield from found.items()
 
 
+def cpu_bound(run: dict[str, Any]) -> bool:
+    """The agents kept `CPU_BOUND` of the cores busy: the CPU, not the link, set the pace."""
+    share = run.get("agents_cpu_share")
+    return isinstance(share, int | float) and share >= CPU_BOUND
+
+
 def seconds(run: dict[str, Any]) -> str:
     if run["error"] and run["seconds_to_target"] is None and not run["curve"]:
         return "error"
-    mark = "" if run["delay_applied"] else "†"
+    mark = ("" if run["delay_applied"] else "†") + ("‡" if cpu_bound(run) else "")
     if run["seconds_to_target"] is None:
         return f"> {run['cap_s']:g} ({run['best_accuracy']:.3f}){mark}"
     return f"{run['seconds_to_target']:.1f}{mark}"
@@ -76,35 +83,70 @@ def pace_vs_best(runs: dict[str, dict[str, Any]]) -> str:
     return f"{auto['round_ms'] / best:.2f}"
 
 
+def pace_vs_dense(runs: dict[str, dict[str, Any]]) -> str:
+    """auto-codec's median round over the dense ring's (the codec choice's promise: <= 1)."""
+    mine, dense = runs.get("auto-codec", {}).get("round_ms"), runs.get("dense", {}).get("round_ms")
+    return f"{mine / dense:.2f}" if mine and dense else "–"
+
+
 def paces(doc: dict[str, Any]) -> list[str]:
     """The table of fedring's median round, ms, per collective and cell."""
     mine = [m for m in COMPRESSED if m in doc["methods"]]
     if not any(r.get("round_ms") for r in doc["runs"]):
         return []
+    mine += [m for m in ("dense",) if m in doc["methods"]]
     lines = ["", "Median ms from one round to the next (fedring's collectives; `auto`'s "
-             "includes its tries):", "",
+             "includes its tries; auto (codec too) ÷ dense ring: above 1, the codec choice "
+             "lost to the dense ring on that link):", "",
              "| N | model | Mbit/s | delay ms | " + " | ".join(LABELS[m] for m in mine)
-             + " | auto ÷ fastest fixed |", "|" + "---|" * (len(mine) + 5)]  # fmt: skip
+             + " | auto ÷ fastest fixed | auto (codec too) ÷ dense ring |",
+             "|" + "---|" * (len(mine) + 6)]  # fmt: skip
     for (n, bw, delay, model), runs in cells(doc):
         row = [str(n), model, f"{bw:g}", f"{delay:g}"]
         row += [f"{runs[m]['round_ms']:.1f}" if runs.get(m, {}).get("round_ms") else "–"
                 for m in mine]  # fmt: skip
-        lines.append("| " + " | ".join([*row, pace_vs_best(runs)]) + " |")
+        lines.append("| " + " | ".join([*row, pace_vs_best(runs), pace_vs_dense(runs)]) + " |")
     return lines
+
+
+def chose(runs: dict[str, dict[str, Any]]) -> str:
+    """What `auto` (and `auto-codec`) ran: "ring", "auto-codec: dense ring→ring"."""
+    said = [(m, runs[m].get("collective") or "–") for m in ("auto", "auto-codec") if m in runs]
+    if len(said) == 1 and said[0][0] == "auto":
+        return said[0][1]
+    return "; ".join(f"{m}: {c}" for m, c in said) or "–"
+
+
+def cpu(runs: dict[str, dict[str, Any]]) -> str:
+    """The cell's highest agents' CPU share and the machine's busy fraction in that run."""
+    shares = [r for r in runs.values() if isinstance(r.get("agents_cpu_share"), int | float)]
+    if not shares:
+        return "–"
+    top = max(shares, key=lambda r: r["agents_cpu_share"])
+    busy = top.get("machine_cpu_busy")
+    mark = " ‡" if cpu_bound(top) else ""
+    return f"{top['agents_cpu_share']:.2f}{mark}" + (f" ({busy:.2f})" if busy is not None else "")
 
 
 def tables(doc: dict[str, Any]) -> str:
     methods = [m for m in doc["methods"]]
-    head = "| N | model (params) | Mbit/s | delay ms | " + " | ".join(
-        LABELS[m] for m in methods) + " | auto chose | auto ÷ best fixed |"  # fmt: skip
+    head = (
+        "| N | model (params) | Mbit/s | delay ms | "
+        + " | ".join(LABELS[m] for m in methods)
+        + " | auto chose | auto ÷ best fixed | agents' CPU |"
+    )
+    bound = doc.get("cpu_bound_share", CPU_BOUND)
     lines = [f"Seconds of training to the target (cap {doc['cap_s']:g} s; > cap: not reached, "
-             "best accuracy in brackets; † the added delay did not apply to this method):",
-             "", head, "|" + "---|" * (len(methods) + 6)]  # fmt: skip
+             "best accuracy in brackets; † the added delay did not apply to this method; "
+             f"‡ CPU-bound: the agents' processes kept >= {bound:.0%} of the machine's cores "
+             "busy, so the CPU, not the link, set the pace; agents' CPU: the cell's highest "
+             "share, the whole machine's busy fraction in brackets):",
+             "", head, "|" + "---|" * (len(methods) + 7)]  # fmt: skip
     for (n, bw, delay, model), runs in cells(doc):
         params = next(iter(runs.values()))["params"]
         row = [str(n), f"{model} ({params:,})", f"{bw:g}", f"{delay:g}"]
         row += [seconds(runs[m]) if m in runs else "not run" for m in methods]
-        row += [runs["auto"]["collective"] or "–" if "auto" in runs else "–", auto_vs_best(runs)]
+        row += [chose(runs), auto_vs_best(runs), cpu(runs)]
         lines.append("| " + " | ".join(row) + " |")
     peers = [m for m in PEERS if m in methods]
     lines += [] if not peers else [
