@@ -41,6 +41,8 @@ class Epoch:
     @property
     def finished(self) -> bool:
         """Every member said bye, or went (an asynchronous job), and one at least said it."""
+        if len(self.done) + len(self.gone) < len(self.members):
+            return False  # asked after every message: no sets while the byes come in
         return bool(self.done) and set(self.members) <= set(self.done) | self.gone
 
     def unacked(self) -> list[str]:
