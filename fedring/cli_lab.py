@@ -201,34 +201,50 @@ def bench_lab_cmd(
     print(f"\nplot: {doc['plot']}  ({doc['bench_seconds']:.0f} s in all)")
 
 
+GRID_DEFAULTS: dict[str, list[Any]] = {
+    "model": ["mnist1d/cnn", "digits/mlp:512x512"], "bandwidth": [1.0, 10.0],
+    "delay_ms": [0.0, 20.0], "agents": [4],
+    "method": ["ring", "fanout", "hub", "auto", "auto-codec", "dense", "flower", "ddp",
+               "powersgd2", "powersgd4"],
+}  # fmt: skip
+
+
 def bench_grid_cmd(
-    model: list[str] = typer.Option(
-        ["mnist1d/cnn", "digits/mlp:512x512"], "--model",
+    model: list[str] | None = typer.Option(
+        None, "--model",
         help="DATASET/MODEL (digits to 95%, mnist1d to 85%) or mnist1d-cnn | digits-mlp | "
-        "mlp512 | mlp1024 (about 1 M parameters); repeat the flag.",
+        "mlp512 | mlp1024 (about 1 M parameters); repeat the flag. [default: mnist1d/cnn, "
+        "digits/mlp:512x512]",
     ),
-    bandwidth: list[float] = typer.Option([1.0, 10.0], "--bandwidth", help="Mbit/s per agent."),
-    delay_ms: list[float] = typer.Option([0.0, 20.0], "--delay-ms", help="Added one-way delay."),
-    agents: list[int] = typer.Option([4], "--agents", help="N agents; repeat the flag."),
-    method: list[str] = typer.Option(
-        ["ring", "fanout", "hub", "auto", "auto-codec", "dense", "flower", "ddp", "powersgd2",
-         "powersgd4"],
-        "--method", help="ring | fanout | hub | auto (group-top-k 1% + EF) | auto-codec "
+    bandwidth: list[float] | None = typer.Option(
+        None, "--bandwidth", help="Mbit/s per agent. [default: 1, 10]"
+    ),
+    delay_ms: list[float] | None = typer.Option(
+        None, "--delay-ms", help="Added one-way delay. [default: 0, 20]"
+    ),
+    agents: list[int] | None = typer.Option(
+        None, "--agents", help="N agents; repeat the flag. [default: 4]"
+    ),
+    method: list[str] | None = typer.Option(
+        None, "--method", help="ring | fanout | hub | auto (group-top-k 1% + EF) | auto-codec "
         "(compression and collective auto) | dense | flower | ddp | powersgd2 | powersgd4; "
-        "repeat the flag.",
+        "repeat the flag. [default: all]",
     ),
-    cap_s: float = typer.Option(60.0, "--cap-s", help="Training seconds per run at most."),
+    cap_s: float | None = typer.Option(
+        None, "--cap-s", help="Training seconds per run at most. [default: 60, or --resume's]"
+    ),
     budget_s: float | None = typer.Option(
         None, "--budget-s", help="Start no cell after this many seconds; list the rest."
     ),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int | None = typer.Option(None, "--seed", help="[default: 0, or --resume's]"),
     out: Path = typer.Option(Path("runs/lab-grid"), "--out", help="grid.json, grid.md, grid.png."),
     timeout: float = typer.Option(600.0, "--timeout", help="Per run, seconds, start-up included."),
     resume: Path | None = typer.Option(
         None, "--resume", metavar="DIR",
-        help="Go on with the grid in DIR (its --out): keep the runs in DIR/grid.json, run "
-        "only the missing ones (over its cells and methods and these flags'), re-make the "
-        "table and plot from all. Use with --budget-s to finish a grid in sittings.",
+        help="Go on with the grid in DIR (its --out): keep the runs in DIR/grid.json and run "
+        "only the missing ones, over its models, links, N and methods and any given here; "
+        "its cap and seed unless given (another is refused). The table and plot are re-made "
+        "from all. With --budget-s, a grid finished in sittings.",
     ),
     report_only: bool = typer.Option(
         False, "--report-only",
@@ -236,8 +252,9 @@ def bench_grid_cmd(
         "fedring run's metrics under OUT).",
     ),
 ) -> None:
-    """Time to target for every method in every cell (N x bandwidth x delay x model), one
-    run: fedring's collectives (and `auto`) beside the dense ring, Flower, DDP and PowerSGD."""
+    """Time to target for every method in every cell (N x bandwidth x delay x model):
+    fedring's collectives (and `auto`) beside the dense ring, Flower, DDP and PowerSGD;
+    `--resume DIR` goes on with a grid begun before."""
     import json
     import time
 
@@ -257,12 +274,22 @@ def bench_grid_cmd(
         print((out / "grid.md").read_text())
         return
     try:
-        models = tuple(lab_grid.parse_model(m) for m in model)
-        methods = lab_grid.check_methods(method)
-        if cap_s <= 0 or any(b <= 0 for b in bandwidth) or any(d < 0 for d in delay_ms):
+        before = lab_grid.stored(resume, cap_s, seed) if resume is not None else None
+        stored = before or {"cap_s": 60.0, "seed": 0}  # a resumed grid's own unless given
+        cap_s = float(stored["cap_s"]) if cap_s is None else cap_s
+        seed = int(stored["seed"]) if seed is None else seed
+
+        def axis(name: str) -> list[Any]:
+            """A flag not given: a resumed grid's own axis (nothing to add), else the default."""
+            return [] if before is not None else GRID_DEFAULTS[name]
+
+        models = tuple(lab_grid.parse_model(m) for m in (model or axis("model")))
+        methods = lab_grid.check_methods(method) if method else tuple(axis("method"))
+        bandwidths: tuple[float, ...] = tuple(bandwidth or axis("bandwidth"))
+        delays: tuple[float, ...] = tuple(delay_ms or axis("delay_ms"))
+        sizes: tuple[int, ...] = tuple(agents or axis("agents"))
+        if cap_s <= 0 or any(b <= 0 for b in bandwidths) or any(d < 0 for d in delays):
             raise lab_grid.GridError("--cap-s and --bandwidth must be > 0, --delay-ms >= 0")
-        if resume is not None:  # refuse another cap or seed before building anything
-            lab_grid.stored(resume, cap_s, seed)
     except (lab_grid.GridError, lab_grid.ResumeError) as exc:
         err.print(f"[red]error: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
@@ -270,7 +297,7 @@ def bench_grid_cmd(
     if why:
         err.print(f"[red]error: {escape(why)}[/red]")
         raise typer.Exit(2)
-    start, total = time.monotonic(), len(models) * len(bandwidth) * len(delay_ms) * len(agents)
+    start = time.monotonic()
     done: list[lab_grid.Run] = []
 
     def tell(run: lab_grid.Run) -> None:
@@ -279,15 +306,17 @@ def bench_grid_cmd(
                 else "error" if run.error and not run.curve
                 else f"> {run.cap_s:g} s (best {run.best_accuracy:.3f})")  # fmt: skip
         cell = len({(r.agents, r.bandwidth_mbps, r.delay_ms, r.model) for r in done})
+        chose = f" {escape(run.collective)}" if run.method in ("auto", "auto-codec") else ""
+        cpu = f" cpu {run.agents_cpu_share:.2f}" if run.agents_cpu_share is not None else ""
         err.print(
-            f"[{time.monotonic() - start:6.0f} s] cell {cell}/{total} N={run.agents} "
+            f"[{time.monotonic() - start:6.0f} s] cell {cell} N={run.agents} "
             f"{run.bandwidth_mbps:g} Mbit/s +{run.delay_ms:g} ms {escape(run.model)} | "
-            f"{run.method}: {secs}{' ' + escape(run.collective) if run.method == 'auto' else ''}"
+            f"{run.method}: {secs}{chose}{cpu}"
             f"{'' if run.delay_applied else ' (no added delay)'}"
             f"{' ERROR ' + escape(run.error[:200]) if run.error else ''}"
         )
 
-    doc = lab_grid.run(models, tuple(bandwidth), tuple(delay_ms), tuple(agents), methods,
+    doc = lab_grid.run(models, bandwidths, delays, sizes, methods,
                        cap_s=cap_s, budget_s=budget_s, seed=seed, out=out, timeout_s=timeout,
                        on_run=tell, resume=resume is not None)  # fmt: skip
     print((out / "grid.md").read_text())

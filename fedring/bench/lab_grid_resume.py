@@ -45,9 +45,9 @@ def _union(old: Iterable[Any], new: Iterable[Any]) -> list[Any]:
     return out
 
 
-def stored(out: Path, cap_s: float, seed: int) -> dict[str, Any] | None:
+def stored(out: Path, cap_s: float | None, seed: int | None) -> dict[str, Any] | None:
     """The grid document in `out` (None where there is none yet), refused where it
-    cannot be read back or was run with another cap or seed."""
+    cannot be read back or was run with another cap or seed (None: any)."""
     path = out / "grid.json"
     if not path.exists():
         return None
@@ -60,7 +60,7 @@ def stored(out: Path, cap_s: float, seed: int) -> dict[str, Any] | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ResumeError(f"--resume {str(out)!r}: grid.json cannot be read back: {exc}") from None
     for name, value in (("cap_s", cap_s), ("seed", seed)):
-        if doc.get(name) != value:
+        if value is not None and doc.get(name) != value:
             raise ResumeError(f"--resume {str(out)!r}: the stored grid has {name}="
                               f"{doc.get(name)!r}, this invocation {value!r}: their times "
                               "would not compare; use another directory")  # fmt: skip
