@@ -16,7 +16,7 @@ from fedring.counters import Counters
 from fedring.transport import topics
 from fedring.transport.base import Deadline, LinkStats
 from fedring.transport.mqtt_broker import MIN_MAX_MESSAGE, BrokerConfig, MessageTooLarge
-from fedring.transport.mqtt_connection import Connection
+from fedring.transport.mqtt_connection import Connection, Hooks
 from fedring.transport.mqtt_parts import (
     HEADER,
     MAGIC,
@@ -128,6 +128,9 @@ class FakeClient:
         self.published.append((topic, bytes(payload), retain))
         return type("Info", (), {"rc": 0})()
 
+    def socket(self) -> None:  # no socket to set TCP_QUICKACK on
+        return None
+
 
 def connection(url: str) -> tuple[Connection, FakeClient]:
     conn = Connection(BrokerConfig.parse(url), "a1", None, Counters(), LinkStats())
@@ -188,3 +191,25 @@ def test_url_options_are_parsed_and_keyword_options_win() -> None:
         8883,
         "mqtts://h:8883",
     )
+
+
+def test_the_receiving_link_joins_parts_and_refuses_a_retained_one() -> None:
+    conn, _ = connection("mqtt://127.0.0.1:1883")
+    got: list[tuple[str, bytes]] = []
+    conn._hooks = Hooks(
+        up=lambda *_: None, down=lambda: None, own_status=lambda *_: None,
+        received=lambda topic, data, _retained: got.append((topic, data)),
+    )  # fmt: skip
+
+    def deliver(payload: bytes, retain: bool = False) -> None:
+        msg = type("M", (), {"topic": TOPIC, "payload": payload, "retain": retain})()
+        conn._on_message(FakeClient(), None, msg)  # type: ignore[arg-type]
+
+    data = bytes(range(256)) * 1000
+    parts = split_message(TOPIC, data, 100_000, msg_id=3)
+    deliver(b"a whole frame")
+    deliver(parts[0], retain=True)
+    for part in parts:
+        deliver(part)
+    assert got == [(TOPIC, b"a whole frame"), (TOPIC, data)]
+    assert conn.counters.get("mqtt_part_refused") == 1
