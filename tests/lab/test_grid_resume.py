@@ -146,3 +146,20 @@ def test_the_agents_cpu_share_counts_their_process_trees_and_marks_cpu_bound(
     doc["runs"][0]["agents_cpu_share"] = CPU_BOUND  # as an N = 8 cell on 2 cores measured
     table = tables(doc)
     assert "5.0‡" not in table and "1.0‡" in table and f"{CPU_BOUND:.2f} ‡" in table
+
+
+def test_the_cli_refuses_to_resume_with_another_seed_before_building_a_lab(
+    tmp_path: Path,
+) -> None:
+    from typer.testing import CliRunner
+
+    from fedring.cli import app
+
+    grid(tmp_path, ("ring",), Methods(), resume=False)
+    result = CliRunner().invoke(app, ["bench", "grid", "--resume", str(tmp_path), "--seed", "3"])
+    assert result.exit_code == 2
+    assert "the stored grid has seed=0, this invocation 3" in " ".join(result.output.split())
+    # --report-only re-makes the table from the stored runs, running nothing
+    (tmp_path / "grid.md").unlink()
+    result = CliRunner().invoke(app, ["bench", "grid", "--resume", str(tmp_path), "--report-only"])
+    assert result.exit_code == 0 and "| 2 | digits/mlp (17,226) | 10 | 0 |" in result.output
