@@ -1,0 +1,72 @@
+"""Fleet scale: N protocol agents against one Mosquitto and a real coordinator (issue 29).
+
+For every scenario (star, sampling, async) and every N, a fresh Mosquitto on loopback,
+a real ``fedring coordinator run`` process and N torch-free protocol agents in this
+process (`fedring.lab.loadgen`): enrolment time (first hello to the last manifest
+acknowledged), the coordinator's CPU seconds over enrolment and per round, its peak
+resident memory, the broker's CPU per round, then the cost against N fitted linear
+and quadratic (`fedring.lab.loadgen_report`) and projected to 10,000 boards.
+Enrolment at 1,000 agents must stay under 60 s.
+
+    python bench/fleet_scale.py                       # N = 30 50 100 300 1000, ~10 min
+    python bench/fleet_scale.py --agents 20 50 --modes star --rounds 5
+
+Writes OUT/fleet_scale.json and OUT/fleet_scale.md (default runs/fleet-scale).
+The agents run in one event loop on this machine, beside the coordinator and the
+broker: on a small machine they compete for the same cores, so a figure is an upper
+bound on what each process costs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from fedring.lab.loadgen_report import fit_table, fits, table
+from fedring.lab.loadgen_run import SCENARIOS, run_scenario
+
+ENROL_LIMIT_S = 60.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--agents", type=int, nargs="+", default=[30, 50, 100, 300, 1000])
+    ap.add_argument("--modes", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    ap.add_argument("--rounds", type=int, default=20, help="star rounds (async: 2 per agent)")
+    ap.add_argument("--out", type=Path, default=Path("runs/fleet-scale"))
+    ap.add_argument("--no-presence", action="store_true",
+                    help="agents skip every agent's status (real ones subscribe)")  # fmt: skip
+    args = ap.parse_args()
+    rows = []
+    for mode in args.modes:
+        for n in sorted(args.agents):
+            started = time.monotonic()
+            row = run_scenario(mode, n, args.rounds, args.out / f"{mode}-{n}",
+                               presence=not args.no_presence)  # fmt: skip
+            rows.append(row)
+            print(f"{mode:8} N={n:5}: enrol {row['enrol_s']} s, coordinator "
+                  f"{row['coordinator_cpu_rounds_s']} s CPU over {row['rounds']} rounds, "
+                  f"broker {row['broker_cpu_rounds_s']} s, RSS {row['coordinator_rss_mb']} MB "
+                  f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+    found = fits(rows)
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    result = {"machine": machine, "presence": not args.no_presence, "rows": rows, "fits": found}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fleet_scale.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+    md = f"Machine: {machine}.\n\n{table(rows)}\n\nFits against N:\n\n{fit_table(found)}\n"
+    (args.out / "fleet_scale.md").write_text(md)
+    print(md)
+    slow = [r for r in rows if r["agents"] >= 1000 and (r["enrol_s"] or 1e9) >= ENROL_LIMIT_S]
+    for r in slow:
+        print(f"enrolment of {r['agents']} agents ({r['mode']}) took {r['enrol_s']} s "
+              f">= {ENROL_LIMIT_S:g} s", file=sys.stderr)  # fmt: skip
+    return 1 if slow else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
