@@ -8,8 +8,9 @@ beside what fedring itself counted: the ring frames each agent sent, everything
 each agent published (ring, metrics, the head's checkpoint uploads, acks), and
 what the coordinator published. The broker's figures add MQTT's own bytes:
 fixed headers, topic names, PUBACKs, keep-alive pings, and the $SYS messages this
-bench subscribes to. The ring head's checkpoint uploads (one dense model every
-`checkpoint_every` rounds) are in "published" and at the broker, not in "ring".
+bench subscribes to. The checkpoint stream (the members' patches every
+`checkpoint_every` rounds, the head's dense model once a segment) is in
+"published" and at the broker, not in "ring".
 """
 
 from __future__ import annotations
