@@ -42,8 +42,8 @@ def candidates(spec: JobSpec) -> tuple[str, ...]:
 def codec_choosable(spec: JobSpec) -> bool:
     """Whether the coordinator may plan this job's codec: ``compression = "auto"`` in a
     job whose all-reduce runs between the agents (sync or local rounds of a mean, not
-    a star, an asynchronous job, a sign vote or a pipeline): there the reducer can send
-    dense fp32 for a segment (`engine.reducer.Reducer.dense`)."""
+    a star (client sampling is one), an asynchronous job, a sign vote or a pipeline): there the
+    reducer can send dense fp32 for a segment (`engine.reducer.Reducer.dense`)."""
     return (spec.compression_auto and spec.topology != "star" and spec.sync != "async"
             and Aggregation.parse(spec.aggregation).kind in ("mean", "weighted")
             and spec.pipeline_stages == 1)  # fmt: skip
