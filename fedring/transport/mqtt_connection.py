@@ -61,6 +61,7 @@ log = logging.getLogger("fedring.transport.mqtt")
 # A drop right after a packet larger than this, with no cap known, is likely the broker's
 # cap (EMQX's default is 1 MiB, AWS IoT Core's 128 KB; no broker caps below 64 KiB here).
 SUSPECT_CAP = 64 * 1024
+PACKET_TOO_LARGE = 0x95  # MQTT 5 reason code
 
 
 @dataclass(frozen=True)
@@ -222,14 +223,24 @@ class Connection:
         if not self.closed and self._connack is not None and self._connack[0]:
             self.counters.add("mqtt_disconnect")
             log.warning("%s lost the broker %s (%s); reconnecting", self.me, self.cfg.url, rc)
-            if self._largest > SUSPECT_CAP and not self.max_message:
-                # A broker with a packet cap it cannot announce (MQTT 3.1.1) drops the
-                # client that exceeds it; paho then resends the message at every reconnect.
-                self.counters.add("mqtt_drop_after_large")
-                log.error("%s: broker %s dropped us after a packet of %d bytes: if it caps "
-                          "packet size (AWS IoT Core: 128 KB), give the cap in the broker URL, "
-                          "e.g. ?max_message=128k, or use ?protocol=auto so an MQTT 5 broker "
-                          "can announce it", self.me, self.cfg.url, self._largest)  # fmt: skip
+            self._suspect_cap(rc)
+
+    def _suspect_cap(self, rc: Any) -> None:
+        """Name the likely cause of a drop after a big packet. An MQTT 5 broker says
+        "Packet too large"; a 3.1.1 one just closes the connection, which a broker restart
+        does too (so that is only a warning), and paho then resends the message at every
+        reconnect."""
+        if getattr(rc, "value", None) == PACKET_TOO_LARGE:
+            log.error("%s: broker %s dropped us for a packet of %d bytes over its cap%s",
+                      self.me, self.cfg.url, self._largest,
+                      "" if self.max_message else ": connect with ?protocol=auto so that it "
+                      "announces its cap, or give it in the URL (?max_message=128k)")  # fmt: skip
+            self.counters.add("mqtt_drop_after_large")
+        elif not self.v5 and not self.max_message and self._largest > SUSPECT_CAP:
+            log.warning("%s: broker %s dropped us after a packet of %d bytes: if it caps "
+                        "packet size (AWS IoT Core: 128 KB), give the cap in the broker URL, "
+                        "e.g. ?max_message=128k", self.me, self.cfg.url, self._largest)  # fmt: skip
+            self.counters.add("mqtt_drop_after_large")
 
     def _on_ack(self, client: mqtt.Client, _u: Any, mid: int, rc: Any, _p: Any) -> None:
         quick_ack(client)
