@@ -1,11 +1,12 @@
 """`collective = "auto"` and `compression = "auto"`: the job's plan for these members.
 
-The runners call `choose_collective` when a ring forms (the coordinator again each
-time it re-forms): it states the job's round as a `collective.cost.Workload`
-(entries, one member's payload on the wire, the dense vector) and lets the cost
-model pick among the plans the job may use (`plans`). A job that may only use the
-ring (a torus topology, a star, asynchronous rounds, a sign vote, a pipeline) gets
-the ring without a prediction of the others.
+The coordinator calls `choose_plan` when a ring forms and again each time it
+re-forms (`fedring simulate` calls `choose_collective`, the collective alone): it
+states the job's round as a `collective.cost.Workload` (entries, one member's
+payload on the wire, the dense vector) and lets the cost model pick among the plans
+the job may use (`plans`). A job that may only use the ring (a torus topology, a
+star, asynchronous rounds, a sign vote, a pipeline) gets the ring without a
+prediction of the others.
 
 Under ``compression = "auto"`` the codec is part of the plan: beside group-top-k at
 the job's density (the accuracy policy's, `compression.policy`: the codec choice
@@ -91,9 +92,17 @@ def in_process_probes(world: int) -> list[Probe]:
 
 
 def choose_collective(spec: JobSpec, numel: int, probes: list[Probe]) -> Choice:
+    """The collective alone, for the job's own codec (`fedring simulate`: in process,
+    ``compression = "auto"`` runs group-top-k)."""
+    if spec.compression_auto:
+        spec = spec.replace(compression_auto=False)
+    return choose_plan(spec, numel, probes)
+
+
+def choose_plan(spec: JobSpec, numel: int, probes: list[Probe]) -> Choice:
     """The job's own collective, or under ``auto`` (collective or compression) the
     fastest plan predicted for `probes` (one per member, in ring order: rank 0 is the
-    hub)."""
+    hub): the coordinator's, each epoch."""
     work = workload(spec, numel)
     if not choosing(spec):
         only = plans(spec)[0]  # the job's collective ("auto" with one candidate: the ring)

@@ -2,7 +2,7 @@
 
 Under ``collective = "auto"`` the coordinator plans every epoch (the first ring and
 each re-formed one) from the members' probes (`Fleet.cost_probe`) with the cost
-model (`collective.cost`, through `choose.choose_collective`); under a fixed
+model (`collective.cost`, through `choose.choose_plan`); under a fixed
 collective it still records the model's prediction for it. Each metrics row of the
 epoch carries the collective and its predicted all-reduce seconds; the summary's
 ``collective`` list has, per epoch, every candidate's prediction, the predicted
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fedring.build import needs_centre
-from fedring.choose import choose_collective, choosing, codec_choosable
+from fedring.choose import choose_plan, choosing, codec_choosable
 from fedring.collective.cost import Choice, Probe, codec_of, steps
 from fedring.compression.schedule import DGC_STAGES
 from fedring.config import JobSpec
@@ -84,7 +84,7 @@ class CollectivePlans:
              start: int) -> str:  # fmt: skip
         """The collective of `members` from round `start` (logged and kept)."""
         probes = [replace(fleet.cost_probe(a), hop_s=self.hop_s) for a in members]
-        choice = choose_collective(spec.replace(agents=len(members)), numel, probes)
+        choice = choose_plan(spec.replace(agents=len(members)), numel, probes)
         self.codecs = codec_choosable(spec)
         if choosing(spec):
             expected = self._expected(members, choice)
@@ -136,7 +136,7 @@ class CollectivePlans:
         if key in self.settled:
             return ""
         probes = [replace(p, hop_s=self.hop_s) for p in planned.probes]
-        again = choose_collective(spec.replace(agents=world), planned.numel, probes).predicted_s
+        again = choose_plan(spec.replace(agents=world), planned.numel, probes).predicted_s
         untried = [a for a in again if a not in seen and again[a] <= TRY_WITHIN * measured]
         if untried:
             self.pending = min(untried, key=again.__getitem__)  # a tie: the first listed

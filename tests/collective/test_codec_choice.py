@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from fedring.choose import choose_collective, choosing, plans
+from fedring.choose import choose_collective, choose_plan, choosing, plans
 from fedring.collective.cost import DENSE, Probe, codec_of, collective_of
 from fedring.compression.policy import choose_density
 from fedring.config import JobSpec, SpecError
@@ -58,16 +58,16 @@ def test_compression_auto_resolves_to_the_policy_density_and_leaves_other_jobs_a
 
 
 def test_a_fast_link_and_a_costly_codec_choose_dense() -> None:
-    choice = choose_collective(job(), NUMEL, probes(1000.0, rtt_s=0.0))
+    choice = choose_plan(job(), NUMEL, probes(1000.0, rtt_s=0.0))
     assert choice.algorithm == "dense ring" and choice.collective == "ring"
     assert choice.predicted_s["dense ring"] < choice.predicted_s["ring"]
     # with the collective chosen too: one step beats six, and dense beats group-top-k
-    choice = choose_collective(job(collective="auto"), NUMEL, probes(1000.0, rtt_s=0.0))
+    choice = choose_plan(job(collective="auto"), NUMEL, probes(1000.0, rtt_s=0.0))
     assert choice.algorithm == "dense fanout" and codec_of(choice.algorithm) == "dense"
 
 
 def test_a_slow_link_chooses_group_topk() -> None:
-    choice = choose_collective(job(collective="auto"), NUMEL, probes(1.0))
+    choice = choose_plan(job(collective="auto"), NUMEL, probes(1.0))
     assert not choice.algorithm.startswith(DENSE)
     assert codec_of(choice.algorithm) == "group-topk"
     assert choice.predicted_s[choice.algorithm] < choice.predicted_s["dense ring"] / 2
@@ -83,15 +83,21 @@ def test_never_predicted_slower_than_the_dense_ring(collective: str) -> None:
         bps = mbit * 1e6 / 8
         p = [Probe(rtt_s=rtt, up_bps=bps, down_bps=bps, encode_s=(1e-4, enc),
                    decode_s=(5e-5, enc / 4))] * 4  # fmt: skip
-        choice = choose_collective(spec, numel, p)
+        choice = choose_plan(spec, numel, p)
         dense = choice.predicted_s[f"{DENSE}ring"]
         assert choice.predicted_s[choice.algorithm] <= dense, (mbit, rtt, numel, enc)
         assert collective_of(choice.algorithm) in ("ring", "fanout", "hub")
 
 
+def test_simulate_chooses_the_collective_alone() -> None:
+    """In process `compression = "auto"` runs group-top-k: no dense plan to pick."""
+    choice = choose_collective(job(collective="auto"), NUMEL, probes(1000.0, rtt_s=0.0))
+    assert set(choice.predicted_s) == {"ring", "fanout", "hub"}
+
+
 def test_a_tie_goes_to_dense() -> None:
     """No link and no codec cost to see: dense, the plan with nothing to lose."""
-    choice = choose_collective(job(collective="auto"), NUMEL, [Probe()] * 4)
+    choice = choose_plan(job(collective="auto"), NUMEL, [Probe()] * 4)
     assert choice.algorithm == "dense ring"
 
 
