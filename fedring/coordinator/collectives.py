@@ -25,6 +25,12 @@ re-plan: logged, counted (``collective_replanned``), an event in the summary, no
 break of the ring (`Degrade`); the members go on from the round they halted at
 (`coordinator.epoch.held_round`), so a re-plan costs a halt and a manifest, tens of ms. Each
 candidate runs at most once on the same members before they settle, so re-plans end.
+
+Under ``compression = "auto"`` the candidates are plans, a codec with a collective
+(`choose.plans`): a dense plan is tried like a collective, and judged against
+group-top-k also without the learned per-step cost (`_again`), so a group-top-k
+slowed by its own CPU still meets the dense ring. The epoch's codec goes into its
+manifests (`codec`) and each row (``codec``).
 """
 
 from __future__ import annotations
@@ -135,8 +141,7 @@ class CollectivePlans:
             self.learned = True
         if key in self.settled:
             return ""
-        probes = [replace(p, hop_s=self.hop_s) for p in planned.probes]
-        again = choose_plan(spec.replace(agents=world), planned.numel, probes).predicted_s
+        again = self._again(spec.replace(agents=world), planned, chosen)
         untried = [a for a in again if a not in seen and again[a] <= TRY_WITHIN * measured]
         if untried:
             self.pending = min(untried, key=again.__getitem__)  # a tie: the first listed
@@ -151,6 +156,20 @@ class CollectivePlans:
         self.pending = best
         return (f"back to {best}: {seen[best] * 1e3:.1f} ms an all-reduce measured, "
                 f"{chosen} {measured * 1e3:.1f}")  # fmt: skip
+
+    def _again(self, spec: JobSpec, planned: _Planned, chosen: str) -> dict[str, float]:
+        """Each plan re-predicted with the learned per-step cost. A dense plan measured
+        against group-top-k also without it: the excess group-top-k measured may be
+        its own codec CPU (under load the model was 3 to 4x low), which dense does not
+        pay; the cheaper reading decides whether dense is tried."""
+        hopped = [replace(p, hop_s=self.hop_s) for p in planned.probes]
+        again = dict(choose_plan(spec, planned.numel, hopped).predicted_s)
+        if self.codecs and codec_of(chosen) != "dense":
+            plain = [replace(p, hop_s=0.0) for p in planned.probes]
+            for plan, seconds in choose_plan(spec, planned.numel, plain).predicted_s.items():
+                if codec_of(plan) == "dense":
+                    again[plan] = min(again[plan], seconds)
+        return again
 
     def current(self, spec: JobSpec) -> str:
         return self.epochs[-1].choice.collective if self.epochs else spec.collective

@@ -173,3 +173,21 @@ def test_a_job_without_compression_auto_has_no_codec_in_its_rows() -> None:
     plans.plan(spec("ring"), 0, MEMBERS, fleet(), NUMEL, 0)
     assert "codec" not in plans.tag({"round": 1}) and plans.codec() == ""
     assert "codec" not in plans.summary(spec("ring"), {}, fleet())[0]
+
+
+def test_compression_auto_tries_dense_when_group_topk_cpu_may_explain_the_excess() -> None:
+    """Measured 4x its prediction, group-top-k's excess spread over the ring's steps
+    would put the dense ring out of reach; but the excess may be group-top-k's own CPU,
+    which dense does not pay: judged without it, dense is within reach and tried."""
+    job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
+                                "compression": "auto"})  # fmt: skip
+    # 20 Mbit/s both ways, group-top-k at 4e-7 s an entry (the loaded sandbox's codec_cost)
+    hello = {**HELLO, "up_bps": 2.5e6, "down_bps": 2.5e6, "encode_s": [2e-4, 4e-7]}
+    plans, f = CollectivePlans(), Fleet(hellos={a: dict(hello) for a in MEMBERS})
+    assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring" and plans.codec() == ""
+    predicted = plans.epochs[0].choice.predicted_s
+    measured = 4 * predicted["ring"]  # as the grid measured `auto` under load
+    assert predicted["dense ring"] <= TRY_WITHIN * measured  # in reach without the excess
+    assert predicted["dense ring"] + (measured - predicted["ring"]) > TRY_WITHIN * measured
+    why = feed(plans, job, rows_from(plans), measured, CALIBRATION_ROUNDS)
+    assert why.startswith("trying dense ring:"), why
