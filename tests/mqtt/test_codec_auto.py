@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fedring.collective.cost import Choice
+from fedring.collective.cost import ALGORITHMS, Choice
 from fedring.config import JobSpec
 from fedring.coordinator.collectives import CollectivePlans
 from fedring.coordinator.service import Coordinator, Options
 from fedring.transport.mosquitto import Mosquitto
 from fedring.transport.mqtt import BrokerConfig
-from tests.mqtt.conftest import Fleet
+from tests.mqtt.conftest import Fleet, coordinator, finish, job_toml
 
 SWITCH_AT = 20
 
@@ -66,3 +66,24 @@ def test_a_switch_to_dense_mid_job_flushes_the_residual(
     assert all(r["residual_norm"] == 0 for r in after)  # flushed, and nothing held since
     # a dense all-reduce is the plain sum: every entry of the dense rounds goes out
     assert all(r["compression_error"] == 0 for r in after)
+
+
+def test_compression_auto_runs_the_plan_it_chose_from_the_probes(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    """No stand-in: the daemons' probes (a loopback broker, this CPU's codec) decide;
+    every row names the codec of the plan the summary says ran."""
+    job = job_toml(tmp_path, compression="auto", collective="auto", rounds=30)
+    out = tmp_path / "run"
+    summary = finish(coordinator(broker.url, job, out))
+    epochs = summary["collective"]  # one, or more where the in-job check tried another
+    first = epochs[0]["predicted_s"]
+    assert set(first) == {f"{d}{c}" for d in ("", "dense ") for c in ALGORITHMS}
+    assert first[epochs[0]["chosen"]] == min(first.values()) <= first["dense ring"]
+    for e in epochs:
+        assert e["codec"] == ("dense" if e["chosen"].startswith("dense ") else "group-topk")
+    assert summary["identical_models"] and summary["rounds"] == 30
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {r["round"] for r in rows} == set(range(1, 31))
+    assert {r["codec"] for r in rows} == {e["codec"] for e in epochs}
+    assert {r["collective"] for r in rows} == {e["chosen"].removeprefix("dense ") for e in epochs}
