@@ -104,6 +104,8 @@ class LoadFleet:
             "agents": len(self.agents),
             "connected_s": round(self.connected_s, 3),
             "enrol_s": None if enrol is None else round(enrol, 3),  # first hello to last ack
+            # the coordinator's part: from the fleet's last hello to its last ack
+            "enrol_after_hellos_s": None if enrol is None else round(max(acks) - max(hellos), 3),
             "acked": len(acks),
             "finished": sum(1 for a in self.agents if a.finished.is_set()),
             "rounds_max": max(t.rounds for t in times),

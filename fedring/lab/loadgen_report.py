@@ -20,6 +20,7 @@ import numpy as np
 # (column, key in a scenario's row, per round?)
 FIGURES = (
     ("enrolment s", "enrol_s", False),
+    ("after the last hello s", "enrol_after_hellos_s", False),
     ("coordinator CPU s, enrolment", "coordinator_cpu_enrol_s", False),
     ("coordinator CPU ms / round", "coordinator_cpu_rounds_s", True),
     ("broker CPU ms / round", "broker_cpu_rounds_s", True),

@@ -156,6 +156,7 @@ def _costs(report: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "enrol_s": report["enrol_s"], "connected_s": report["connected_s"],
+        "enrol_after_hellos_s": report["enrol_after_hellos_s"],
         "train_s": round(s["done"]["coordinator"]["t"] - s["acked"]["coordinator"]["t"], 3),
         "coordinator_cpu_enrol_s": cpu("coordinator", "start", "acked"),
         "coordinator_cpu_rounds_s": cpu("coordinator", "acked", "done"),

@@ -144,6 +144,7 @@ def test_fit_tells_quadratic_from_linear() -> None:
     assert fit(ns, [0.5 + 0.01 * n for n in ns]).quadratic_share(1000) < 0.01
     assert fit(ns, [0.5 + 1e-5 * n * n for n in ns]).quadratic_share(1000) > 0.95
     rows = [{"mode": "star", "agents": n, "rounds": 10, "enrol_s": 0.01 * n,
+             "enrol_after_hellos_s": 0.1,
              "coordinator_cpu_enrol_s": 0.1, "coordinator_cpu_rounds_s": 0.001 * n,
              "broker_cpu_rounds_s": 0.0, "train_s": 1.0, "coordinator_rss_mb": 300}
             for n in ns]  # fmt: skip
