@@ -329,9 +329,9 @@ def run(
     def over() -> bool:
         return budget_s is not None and time.monotonic() - start >= budget_s
 
-    def save() -> None:
+    def save(draw: bool = True) -> None:
         doc["bench_seconds"] = spent + time.monotonic() - start
-        write(doc, out)
+        write(doc, out, draw)
 
     for n in doc["agents"]:
         todo = [(c, [m for m in wanted if (*cell_key(c), m) not in have])
@@ -351,8 +351,9 @@ def run(
                 lab.set_delay(cell.delay_ms)
                 for found in _cell(lab, cell, missing, one, cap_s):
                     record(doc, asdict(found))
-                    save()  # each run kept the moment it ends: a cut-short grid loses nothing
+                    save(draw=False)  # each run kept as it ends: a cut-short grid loses nothing
                     _tell(on_run, found)
+                save()  # and the plot once a cell
     save()
     return doc
 
@@ -361,13 +362,14 @@ def cell_key(cell: Cell) -> tuple[int, float, float, str]:
     return (cell.agents, float(cell.bandwidth_mbps), float(cell.delay_ms), cell.model.key)
 
 
-def write(doc: dict[str, Any], out: Path) -> dict[str, Any]:
-    """``grid.json``, ``grid.md`` (the tables) and ``grid.png`` (the plot) in `out`."""
+def write(doc: dict[str, Any], out: Path, draw: bool = True) -> dict[str, Any]:
+    """``grid.json``, ``grid.md`` (the tables) and, with `draw`, ``grid.png`` (the plot)
+    in `out`."""
     from fedring.bench.lab_grid_report import plot, tables
 
     atomic_write(out / "grid.json", json.dumps(doc, indent=1))
     atomic_write(out / "grid.md", tables(doc) + "\n")
-    if doc["runs"]:
+    if doc["runs"] and draw:
         doc["plot"] = str(plot(doc, out / "grid.png"))
     return doc
 
