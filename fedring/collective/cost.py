@@ -18,6 +18,10 @@ at the job's density, or the dense fp32 vector) the model predicts:
   them, and sends the sum (their union of supports, at most the dense vector) once
   to every member, which decodes it.
 
+A plan ``dense <collective>`` (``compression = "auto"``, `fedring.choose`) is that
+collective on the dense fp32 vector, each member's codec its dense one
+(`Probe.dense`: the per-frame fixed part, `DENSE_ENTRY_S` an entry).
+
 Each step also pays ``hop_s``, the per-step cost the probes cannot see (a frame
 signed, hashed and handed between threads at both ends, members sharing a CPU): the
 coordinator learns it from the job's own measured all-reduce (`coordinator.collectives`);
