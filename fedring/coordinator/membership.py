@@ -32,22 +32,86 @@ def number(value: Any) -> float:
 
 
 class Hellos(dict[str, dict[str, Any]]):
-    """Agent -> its hello, counting the writes (`version`): what `Fleet.stall` reads from
-    them changes only when this does."""
+    """Agent -> its hello; a write tells the `Fleet` that owns it, which keeps the
+    extremes `Fleet.stall` reads up to date (`Extremes`)."""
 
-    version = 0
+    owner: Fleet | None = None
 
     def __setitem__(self, agent: str, hello: dict[str, Any]) -> None:
-        self.version += 1
+        before = self.owner.figures(agent) if self.owner else None
         super().__setitem__(agent, hello)
+        if self.owner and before:
+            self.owner.moved(agent, before)
 
     def __delitem__(self, agent: str) -> None:
-        self.version += 1
+        before = self.owner.figures(agent) if self.owner else None
         super().__delitem__(agent)
+        if self.owner and before:
+            self.owner.moved(agent, before)
 
     def pop(self, agent: str, *default: Any) -> Any:
-        self.version += 1
-        return super().pop(agent, *default)
+        before = self.owner.figures(agent) if self.owner else None
+        found = super().pop(agent, *default)
+        if self.owner and before:
+            self.owner.moved(agent, before)
+        return found
+
+    def _stale(self) -> None:
+        if self.owner and self.owner.extremes:
+            self.owner.extremes.stale = True
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        self._stale()
+
+    def setdefault(self, agent: str, hello: Any = None) -> Any:
+        self._stale()
+        return super().setdefault(agent, hello)
+
+    def popitem(self) -> tuple[str, dict[str, Any]]:
+        self._stale()
+        return super().popitem()
+
+    def clear(self) -> None:
+        super().clear()
+        self._stale()
+
+
+Figures = tuple[float, float, float]  # an agent's step, link (0: unknown), round deadline
+
+
+@dataclass
+class Extremes:
+    """Over one segment's members: the slowest step, the slowest known link (inf: none)
+    and the longest round deadline. The segment's loop asks for `Fleet.stall` after every
+    control message; a full pass is O(N), so N^2 a round (a thousand members' patches)
+    and N^2 at enrolment (their acks, each changing one step): kept up to date as one
+    agent's figures move instead, and worked out again only when an extreme one got
+    less extreme (`stale`)."""
+
+    members: list[str]  # held by identity: a segment keeps its list as it is
+    size: int  # len(members) when measured
+    names: frozenset[str]
+    step: float
+    link: float
+    deadline: float
+    stale: bool = False
+
+    def move(self, before: Figures, after: Figures) -> None:
+        (s0, l0, d0), (s1, l1, d1) = before, after
+        l0, l1 = (x if x > 0 else math.inf for x in (l0, l1))
+        if s1 >= self.step:
+            self.step = s1
+        elif s0 == self.step:
+            self.stale = True
+        if d1 >= self.deadline:
+            self.deadline = d1
+        elif d0 == self.deadline:
+            self.stale = True
+        if l1 <= self.link:
+            self.link = l1
+        elif l0 == self.link:
+            self.stale = True
 
 
 @dataclass
@@ -55,20 +119,28 @@ class Fleet:
     hellos: dict[str, dict[str, Any]] = field(default_factory=Hellos)  # agent -> its hello
     step_s: dict[str, float] = field(default_factory=dict)  # a step of the job's model
     numel: int = 0  # parameters of the job's model, from the first ack
-    # `stall`'s last answer and what it depended on: the segment's loop asks after every
-    # control message, and working it out is O(N) (N^2 a round for a thousand members).
-    _stall: tuple[list[str], tuple[Any, ...], float] | None = field(default=None, repr=False)
-    _acks: int = field(default=0, repr=False)  # on_ack calls: step_s and numel change there
+    extremes: Extremes | None = field(default=None, repr=False)  # what `stall` reads
 
     def __post_init__(self) -> None:
         if not isinstance(self.hellos, Hellos):
             self.hellos = Hellos(self.hellos)
+        self.hellos.owner = self
 
     def on_ack(self, agent: str, doc: dict[str, Any]) -> None:
-        self._acks += 1
         if "step_s" in doc:
+            before = self.figures(agent)
             self.step_s[agent] = number(doc["step_s"])
+            self.moved(agent, before)
         self.numel = self.numel or int(number(doc.get("numel", 0)))
+
+    def figures(self, agent: str) -> Figures:
+        deadline = self.profile(agent, "round_deadline_s")
+        return self.step_s.get(agent, 0.0), self.link(agent), deadline
+
+    def moved(self, agent: str, before: Figures) -> None:
+        """`agent`'s hello or step changed (it had `before`): keep the extremes current."""
+        if self.extremes is not None and agent in self.extremes.names:
+            self.extremes.move(before, self.figures(agent))
 
     def link(self, agent: str) -> float:
         return number(self.hellos.get(agent, {}).get("link_bps"))
@@ -107,19 +179,24 @@ class Fleet:
 
     def stall(self, members: list[str], step_timeout_s: float) -> float:
         """How long without progress ends an epoch: the longest of 3 ring-step
-        deadlines, 20 estimated rounds, and the slowest member's round deadline.
-        Worked out again only when the members, a hello or an ack changed (the members
-        list by identity, held here: a segment keeps one; `step_s` changes in `on_ack`)."""
-        hellos = self.hellos
-        version = hellos.version if isinstance(hellos, Hellos) else None
-        key = (len(members), step_timeout_s, version, self._acks, len(self.step_s))
-        memo = self._stall
-        if memo is not None and version is not None and memo[0] is members and memo[1] == key:
-            return memo[2]
-        deadline = max((self.profile(a, "round_deadline_s") for a in members), default=0.0)
-        value = max(3 * step_timeout_s, 20 * self.round_estimate(members), deadline)
-        self._stall = (members, key, value)
-        return value
+        deadlines, 20 estimated rounds, and the slowest member's round deadline
+        (`round_estimate`, from the members' `Extremes`: O(1) while they stay put)."""
+        ex = self.extremes
+        owned = isinstance(self.hellos, Hellos) and self.hellos.owner is self
+        if (not owned or ex is None or ex.stale or ex.members is not members
+                or ex.size != len(members)):  # fmt: skip
+            figures = [self.figures(a) for a in members]
+            ex = Extremes(members, len(members), frozenset(members),
+                          max((f[0] for f in figures), default=0.0),
+                          min((f[1] for f in figures if f[1] > 0), default=math.inf),
+                          max((f[2] for f in figures), default=0.0))  # fmt: skip
+            self.extremes = ex if owned else None
+        estimate = 0.0
+        if members and self.numel:
+            n = len(members)
+            share = 4 * self.numel * 2 * (n - 1) / n
+            estimate = ex.step + (share / ex.link if ex.link < math.inf else 0.0)
+        return max(3 * step_timeout_s, 20 * estimate, ex.deadline)
 
     def machine(self, agent: str) -> str:
         """The CPU architecture the agent announced (``platform.machine()``), "" unknown."""
