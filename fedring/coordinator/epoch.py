@@ -49,9 +49,12 @@ class Epoch:
         """The members that have not acknowledged their manifest, sorted. The segment's
         loop asks after every control message: worked out again only when an ack came
         (acks only grow), not N^2 a round for a thousand members."""
-        if self._unacked is None or self._unacked[0] != len(self.acks):
-            self._unacked = (len(self.acks), sorted(set(self.members) - self.acks))
-        return list(self._unacked[1])
+        memo, acked = self._unacked, len(self.acks)
+        if memo is None or acked < memo[0]:
+            self._unacked = (acked, sorted(set(self.members) - self.acks))
+        elif acked != memo[0]:  # the last answer, filtered, is still sorted: no sort
+            self._unacked = (acked, [m for m in memo[1] if m not in self.acks])
+        return list(self._unacked[1]) if self._unacked else []
 
     def went(self, who: str) -> bool:
         """An asynchronous job goes on without `who`; True the first time only."""
