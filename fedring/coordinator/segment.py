@@ -6,9 +6,9 @@ they all hold the start), then reads the control queue until every member said
 progress in time, or ``auto`` re-planning. On the way it records the head's metrics
 rows, checks the members' model hashes, and checkpoints the ring's model: its copy
 patched by the members (`replica`), or the head's whole upload where the copy has
-nothing to patch or disagrees (and an asynchronous job's centre's versions). What each event means is decided in
-`coordinator.epoch`; a re-formation halts the survivors here, and
-`service.Coordinator` starts the next epoch.
+nothing to patch or disagrees (and an asynchronous job's centre's versions). What
+each event means is decided in `coordinator.epoch`; a re-formation halts the
+survivors here, and `service.Coordinator` starts the next epoch.
 """
 
 from __future__ import annotations
