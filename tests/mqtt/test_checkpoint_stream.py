@@ -29,12 +29,12 @@ def _simulated(job: Path) -> str:
 def test_the_head_sends_within_a_quarter_of_a_member_and_the_hash_is_unchanged(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
-    job = job_toml(tmp_path, rounds=120, checkpoint_every=1, compression="group-topk",
+    job = job_toml(tmp_path, rounds=60, checkpoint_every=1, compression="group-topk",
                    density=0.01)  # fmt: skip
     summary = finish(coordinator(broker.url, job, tmp_path / "run"))
     assert summary["model_hashes"] == [_simulated(job)]
     assert Checkpoint.load(tmp_path / "run").params_sha256 == summary["model_hashes"][0]
-    assert summary["checkpoint_round"] == 120
+    assert summary["checkpoint_round"] == 60
     assert "checkpoint_patch_refused" not in summary["coordinator_counters"]
     sent = summary["agent_bytes"]
     head, *others = summary["members"]
@@ -53,13 +53,13 @@ def test_the_head_sends_within_a_quarter_of_a_member_and_the_hash_is_unchanged(
 def test_a_resumed_coordinator_patches_on_and_lands_on_the_same_hash(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
-    job = job_toml(tmp_path, rounds=150, checkpoint_every=1)
+    job = job_toml(tmp_path, rounds=60, checkpoint_every=1)
     out = tmp_path / "run"
-    proc = started(broker.url, job, out, 40)
+    proc = started(broker.url, job, out, 20)
     proc.kill()
     proc.wait(10)
     summary = finish(coordinator(broker.url, job, out, "--resume"))
-    assert summary["rounds"] == 150 and summary["identical_models"]
+    assert summary["rounds"] == 60 and summary["identical_models"]
     assert summary["model_hashes"] == [_simulated(job)]
     assert Checkpoint.load(out).params_sha256 == summary["model_hashes"][0]
     assert "checkpoint_patch_refused" not in summary["coordinator_counters"]
