@@ -32,17 +32,22 @@ def test_a_patch_turns_the_old_slice_into_the_new_bit_for_bit(
     assert not target[:7].any() and not target[7 + n :].any()
 
 
-def test_a_sparse_change_costs_six_bytes_an_entry_and_a_dense_one_four() -> None:
+def test_each_patch_takes_its_smallest_form() -> None:
     old = np.zeros(1000, dtype=np.float32)
     new = old.copy()
-    new[[3, 500]] = 1.0
+    new[[3, 500]] = 1.0  # two entries: 2-byte indices beat a count for each of 4 groups
     doc, blob = encode_patch(old, new, lo=0)
     assert (doc["index"], doc["n"], len(blob)) == ("u2", 2, 12)
+    new[::20] = 2.0  # 50 entries: a byte a group and a byte an entry, 4 + 5 x 50
+    doc, blob = encode_patch(old, new, lo=0)
+    assert (doc["index"], doc["n"], len(blob)) == ("g1", 51, 4 + 5 * 51)
     doc, blob = encode_patch(old, old + 1.0, lo=0)
     assert (doc["index"], len(blob)) == ("dense", 4000)
     big = np.zeros(70_000, dtype=np.float32)
-    doc, _ = encode_patch(big, big, lo=0)
-    assert (doc["index"], doc["n"]) == ("i4", 0)  # indices past 65535: int32
+    moved = big.copy()
+    moved[:256] = 1.0  # a whole group moved: its count (256) does not fit a byte
+    doc, blob = encode_patch(big, moved, lo=0)
+    assert (doc["index"], len(blob)) == ("i4", 256 * 8)  # indices past 65535: int32
 
 
 @pytest.mark.parametrize(
@@ -65,6 +70,21 @@ def test_a_malformed_patch_is_refused_by_name_and_changes_nothing(
     with pytest.raises(FrameError, match=field) as info:
         apply_patch(target, {**doc, field: value}, blob)
     assert info.value.reason is reason
+    assert not target.any()
+
+
+def test_grouped_counts_that_do_not_add_up_are_refused() -> None:
+    old = np.zeros(600, dtype=np.float32)
+    new = old.copy()
+    new[::10] = 1.0
+    doc, blob = encode_patch(old, new, lo=0)
+    assert doc["index"] == "g1"
+    target = np.zeros(600, dtype=np.float32)
+    bad = bytes([blob[0] + 1]) + blob[1:]  # the first group claims one more
+    with pytest.raises(FrameError, match="counts sum"):
+        apply_patch(target, doc, bad)
+    with pytest.raises(FrameError, match="g1 patch of"):
+        apply_patch(target, doc, blob[:-1])
     assert not target.any()
 
 
