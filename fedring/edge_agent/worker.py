@@ -87,7 +87,7 @@ class Segment:
     members: list[str]  # in ring order; only the names it exchanges with, ~i elsewhere
     start_round: int
     params_sha256: str  # expected state at start_round
-    head: str  # uploads the checkpoint every `checkpoint_every` rounds
+    head: str  # waits for each checkpoint's ack; uploads whole where due (checkpoint_stream)
     max_frame_bytes: int = 0  # the ring's frame size (the smallest member's); 0: the default
     asynchronous: bool = False  # through the coordinator: an async job, or a degraded ring
     weight: float = 0.0  # this member's share of the mean; 0: 1 / members
