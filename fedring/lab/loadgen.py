@@ -17,8 +17,10 @@ the link probe (the hello announces `LoadSettings.link_bps`), consensus supports
 (robust rules), re-connecting, and decoding the centre's replies (they are checked
 and reassembled as frames, the payload is taken as opaque bytes).
 
-    settings = LoadSettings("127.0.0.1", 1883)
-    report = asyncio.run(run_fleet(settings, 100, timeout_s=300))
+`loadgen_fleet.LoadFleet` runs N of them in one event loop; `loadgen_run` runs one
+scenario against Mosquitto and a real coordinator. Why one module of about 400 lines:
+as the daemon's, an agent is one state machine (hello, manifest, model, rounds, bye)
+whose handlers share a few fields; the payloads it sends are in `loadgen_payloads`.
 """
 
 from __future__ import annotations
@@ -27,17 +29,14 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from fedring.lab.loadgen_mqtt import MqttConn
+from fedring.lab.loadgen_payloads import Params, sampled, star_payload
 from fedring.transport import topics
-from fedring.wire.arrays import pack_arrays
 from fedring.wire.chunks import Reassembler, split_payload
 from fedring.wire.compact import decode_compact, encode_compact
 from fedring.wire.control import ControlCodec, ControlMessage
@@ -47,7 +46,6 @@ from fedring.wire.patch import encode_patch
 
 log = logging.getLogger(__name__)
 COORD = topics.COORDINATOR
-_WIRE = {"fp32": ("f4", np.float32), "fp16": ("f2", np.float16)}
 
 
 @dataclass(frozen=True)
@@ -70,58 +68,6 @@ class AgentTimes:
     rounds: int = 0
     manifests: int = 0
     refused: int = 0  # frames that did not decode
-
-
-def star_payload(
-    numel: int, group_size: int, k: int, value_dtype: str
-) -> tuple[dict[str, Any], bytes]:
-    """A group-top-k update of `numel` entries as its wire meta and body, the size a real
-    member sends (`compression.sparse.SparseGroups.to_wire`): k indices and k values a
-    group. Values are zero, so the centre's mean does not move the model."""
-    if value_dtype not in _WIRE:
-        raise ValueError(f"value_dtype={value_dtype!r}: the load generator sends fp32 or fp16")
-    n = -(-numel // group_size)
-    idx = np.tile(np.arange(k, dtype=np.uint8 if group_size <= 256 else np.uint16), (n, 1))
-    wire, dtype = _WIRE[value_dtype]
-    meta = {"codec": "group-topk", "numel": numel, "group_size": group_size, "k": k,
-            "groups": [0, n]}  # fmt: skip
-    spec, body = pack_arrays([("idx", "u1" if group_size <= 256 else "u2", idx),
-                              ("val", wire, np.zeros((n, k), dtype=dtype))])  # fmt: skip
-    meta["arrays"] = spec
-    return meta, body
-
-
-def per_round(n: int, sample: float) -> int:
-    """`engine.participation.per_round`, without torch."""
-    if sample <= 1:
-        return max(1, min(n, math.floor(sample * n + 0.5)))
-    return min(n, int(sample))
-
-
-def sampled(seed: int, r: int, n: int, sample: float) -> list[int]:
-    """`engine.participation.sampled`, without torch: the ranks that send in round r."""
-    k = per_round(n, sample)
-    if k >= n:
-        return list(range(n))
-    rng = np.random.default_rng([seed, r, 0x5A4D])
-    return sorted(int(i) for i in rng.choice(n, size=k, replace=False))
-
-
-class Params:
-    """Every agent's parameters at round r: all entries equal to r (float32), with their
-    sha256 computed once a round for the whole fleet."""
-
-    def __init__(self) -> None:
-        self.numel = 0
-        self._sha: dict[int, str] = {}
-
-    def at(self, r: int) -> np.ndarray:
-        return np.full(self.numel, float(r), dtype="<f4")
-
-    def sha256(self, r: int) -> str:
-        if r not in self._sha:
-            self._sha[r] = hashlib.sha256(self.at(r).tobytes()).hexdigest()
-        return self._sha[r]
 
 
 @dataclass

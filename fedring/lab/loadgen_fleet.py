@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedring.lab.loadgen import LoadSettings, Params, ProtocolAgent
+from fedring.lab.loadgen import LoadSettings, ProtocolAgent
+from fedring.lab.loadgen_payloads import Params
 
 
 @dataclass(frozen=True)

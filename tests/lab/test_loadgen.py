@@ -13,7 +13,7 @@ from fedring.collective.payloads import decode_payload
 from fedring.compression.payload import PayloadLimits
 from fedring.coordinator.replica import Replica
 from fedring.engine.participation import sampled as engine_sampled
-from fedring.lab.loadgen import LoadSettings, Params, ProtocolAgent, Segment, sampled, star_payload
+from fedring.lab.loadgen import LoadSettings, ProtocolAgent, Segment
 from fedring.lab.loadgen_mqtt import (
     MqttProtocolError,
     PacketReader,
@@ -22,6 +22,7 @@ from fedring.lab.loadgen_mqtt import (
     publish_packet,
     remaining_length,
 )
+from fedring.lab.loadgen_payloads import Params, sampled, star_payload
 from fedring.lab.loadgen_report import fit, fits, table
 from fedring.training.models import flat_sha256
 from fedring.transport.mosquitto import MosquittoMissing, mosquitto_binary
