@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the sampling rule imports no torch: the load generator shares it
+    import torch
 
 
 def per_round(n: int, sample: float) -> int:

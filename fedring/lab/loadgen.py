@@ -34,8 +34,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedring.engine.participation import sampled  # torch-free: the agents' own rule
 from fedring.lab.loadgen_mqtt import MqttConn
-from fedring.lab.loadgen_payloads import Params, sampled, star_payload
+from fedring.lab.loadgen_payloads import Params, star_payload
 from fedring.transport import topics
 from fedring.wire.chunks import Reassembler, split_payload
 from fedring.wire.compact import decode_compact, encode_compact

@@ -9,7 +9,6 @@ round's sample, its parameters' hash (`fedring.lab.loadgen`), all without torch.
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Any
 
 import numpy as np
@@ -38,20 +37,6 @@ def star_payload(
     return meta, body
 
 
-def per_round(n: int, sample: float) -> int:
-    """`engine.participation.per_round`, without torch."""
-    if sample <= 1:
-        return max(1, min(n, math.floor(sample * n + 0.5)))
-    return min(n, int(sample))
-
-
-def sampled(seed: int, r: int, n: int, sample: float) -> list[int]:
-    """`engine.participation.sampled`, without torch: the ranks that send in round r."""
-    k = per_round(n, sample)
-    if k >= n:
-        return list(range(n))
-    rng = np.random.default_rng([seed, r, 0x5A4D])
-    return sorted(int(i) for i in rng.choice(n, size=k, replace=False))
 
 
 class Params:
