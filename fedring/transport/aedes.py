@@ -18,14 +18,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from fedring.transport.mosquitto import free_port
+from fedring.transport.mosquitto import free_port, terminate
 
 AEDES_DIR_ENV = "FEDRING_AEDES_DIR"  # a node_modules folder holding aedes
 
@@ -113,14 +112,7 @@ class Aedes:
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, SIGKILL if it lingers."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
+        terminate(proc, timeout)
 
     @property
     def pid(self) -> int | None:

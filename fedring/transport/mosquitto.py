@@ -37,6 +37,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def terminate(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
+    """SIGTERM a broker we started, SIGKILL if it lingers; nothing if it is gone."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+
+
 def mosquitto_binary() -> str:
     for candidate in (shutil.which("mosquitto"), "/usr/sbin/mosquitto"):
         if candidate and os.access(candidate, os.X_OK):
@@ -196,12 +208,7 @@ class Mosquitto:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
+        terminate(proc, timeout)
         if proc.stderr:
             proc.stderr.close()
 
