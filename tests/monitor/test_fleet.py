@@ -31,8 +31,9 @@ from fedring.fleet_watch import FleetReader
 from fedring.transport import topics
 from fedring.transport.mosquitto import Mosquitto
 from fedring.transport.mqtt_broker import BrokerConfig
+from tests.mqtt.conftest import MISSING, Fleet, coordinator, finish_after, job_toml, wait_for
 
-from .conftest import Fleet, coordinator, finish_after, job_toml, wait_for
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING or "mosquitto present")
 
 KEEPALIVE = 4
 AGENTS = [f"a{i}" for i in range(4)]

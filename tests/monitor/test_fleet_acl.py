@@ -18,8 +18,9 @@ from typer.testing import CliRunner
 
 from fedring.cli import app
 from fedring.transport.mosquitto import Mosquitto
+from tests.mqtt.conftest import MISSING, Fleet, wait_for
 
-from .conftest import Fleet, wait_for
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING or "mosquitto present")
 
 EXAMPLE_ACL = Path(__file__).parents[2] / "examples" / "mosquitto.acl"
 PASSWORD = "fleet-test-pw"
