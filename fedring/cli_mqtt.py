@@ -94,6 +94,15 @@ _METRICS_PORT = typer.Option(
     help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; the URL "
     "goes to stderr): rounds, bytes by kind, refusals, RSS, queues. [off]",
 )  # fmt: skip
+# `coordinator run` and `simulate` serve the same live page of a job
+DASHBOARD = typer.Option(
+    None, "--dashboard", min=0, max=65535, metavar="PORT",
+    help="Serve a live dashboard of the job on PORT (0: a free one; the URL goes to "
+    "stderr): curves, bytes, ring, events. Read-only. [off]",
+)
+DASHBOARD_HOST = typer.Option(
+    "127.0.0.1", "--dashboard-host", help="Address the dashboard binds to. [loopback]"
+)
 _METRICS_HOST = typer.Option(
     "127.0.0.1", "--metrics-host", help="Address the metrics bind to. [loopback]"
 )
@@ -238,14 +247,8 @@ def coordinator_run(
         "pipeline_stages and agents to S; an S x D grid comes from the job file: agents = "
         "S x D; docs/pipeline.md). [the job file's]",
     ),
-    dashboard: int | None = typer.Option(
-        None, "--dashboard", min=0, max=65535, metavar="PORT",
-        help="Serve a live dashboard of the job on PORT (0: a free one; the URL goes to "
-        "stderr): curves, bytes, ring, events. Read-only. [off]",
-    ),
-    dashboard_host: str = typer.Option(
-        "127.0.0.1", "--dashboard-host", help="Address the dashboard binds to. [loopback]"
-    ),
+    dashboard: int | None = DASHBOARD,
+    dashboard_host: str = DASHBOARD_HOST,
     metrics_port: int | None = _METRICS_PORT,
     metrics_host: str = _METRICS_HOST,
     metrics_hold: float = _METRICS_HOLD,

@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fedring import cli_export
+from fedring.cli_mqtt import DASHBOARD, DASHBOARD_HOST
 from fedring.monitor import JobFeed
 from fedring.monitor.progress import ProgressLine
 
@@ -163,14 +164,8 @@ def simulate_cmd(
         "RMS, 10) | label-flip (summary: attack).",
     ),
     attackers: int = typer.Option(1, "--attackers", min=1, help="With --attack: how many. [1]"),
-    dashboard: int | None = typer.Option(
-        None, "--dashboard", min=0, max=65535, metavar="PORT",
-        help="Serve a live dashboard of the run on PORT (0: a free one; the URL goes to "
-        "stderr). Read-only. [off]",
-    ),
-    dashboard_host: str = typer.Option(
-        "127.0.0.1", "--dashboard-host", help="Address the dashboard binds to. [loopback]"
-    ),
+    dashboard: int | None = DASHBOARD,
+    dashboard_host: str = DASHBOARD_HOST,
 ) -> None:
     """Train N agents in one process over the in-process transport (real frames)."""
     given = {k: v for k, v in locals().items() if v is not None}  # before any other local

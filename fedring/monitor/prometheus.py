@@ -186,27 +186,26 @@ def _traffic(snap: Snapshot, probe: Probe) -> Iterator[Metric]:
                  "head, or this agent) sent in the job's ring, from its rows.",
                  snap.bytes_sent)  # fmt: skip
     if probe.bytes_sent:
-        sent = CounterMetricFamily("fedring_bytes_sent", "Bytes this process sent in the "
-                                   "current job, by kind.", labels=["kind"])  # fmt: skip
-        for kind, value in sorted(probe.bytes_sent.items()):
-            sent.add_metric([kind], value)
-        yield sent
+        yield _labelled(CounterMetricFamily("fedring_bytes_sent", "Bytes this process sent "
+                        "in the current job, by kind.", labels=["kind"]), probe.bytes_sent)
     if probe.link_bytes:
-        link = CounterMetricFamily("fedring_link_bytes", "Bytes through this process's "
-                                   "broker connection since it started.",
-                                   labels=["direction"])  # fmt: skip
-        for direction, value in sorted(probe.link_bytes.items()):
-            link.add_metric([direction], value)
-        yield link
+        yield _labelled(CounterMetricFamily("fedring_link_bytes", "Bytes through this "
+                        "process's broker connection since it started.",
+                        labels=["direction"]), probe.link_bytes)  # fmt: skip
     if probe.queues:
-        depth = GaugeMetricFamily("fedring_queue_depth", "Items waiting in an incoming "
-                                  "queue.", labels=["queue"])  # fmt: skip
-        for name, value in sorted(probe.queues.items()):
-            depth.add_metric([name], value)
-        yield depth
+        yield _labelled(GaugeMetricFamily("fedring_queue_depth", "Items waiting in an "
+                        "incoming queue.", labels=["queue"]), probe.queues)
     if probe.queued_bytes is not None:
         yield _gauge("fedring_queued_bytes", "Payload bytes waiting in the incoming queues.",
                      probe.queued_bytes)  # fmt: skip
+
+
+def _labelled(family: CounterMetricFamily | GaugeMetricFamily,
+              values: Mapping[str, float]) -> Metric:  # fmt: skip
+    """`family` (one label) with a sample for each of `values`, in label order."""
+    for label, value in sorted(values.items()):
+        family.add_metric([label], value)
+    return family
 
 
 def registry(feed: JobFeed, probe: Callable[[], Probe] | None = None) -> CollectorRegistry:
