@@ -29,7 +29,11 @@ candidate runs at most once on the same members before they settle, so re-plans 
 Under ``compression = "auto"`` the candidates are plans, a codec with a collective
 (`choose.plans`): a dense plan is tried like a collective, and judged against
 group-top-k also without the learned per-step cost (`_again`), so a group-top-k
-slowed by its own CPU still meets the dense ring. The epoch's codec goes into its
+slowed by its own CPU still meets the dense ring. Plans of different codecs are
+compared by their time to the target (`choose.to_target`: group-top-k needs more
+rounds than dense, so its round must be that much shorter), with the round's compute
+the members measured: their acks' step of the job's model when the epoch is planned,
+the head's rows (``compute_s``) when it is checked. The epoch's codec goes into its
 manifests (`codec`) and each row (``codec``).
 """
 
@@ -42,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fedring.build import needs_centre
-from fedring.choose import choose_plan, choosing, codec_choosable
+from fedring.choose import choose_plan, choosing, codec_choosable, to_target
 from fedring.collective.cost import Choice, Probe, codec_of, steps
 from fedring.compression.schedule import DGC_STAGES
 from fedring.config import JobSpec
@@ -64,7 +68,16 @@ class _Planned:
     probes: list[Probe]
     hop_s: float  # the per-step cost the prediction included
     comm: list[float] = field(default_factory=list)  # measured all-reduce seconds
+    compute: list[float] = field(default_factory=list)  # measured compute seconds a round
+    compute_s: float = 0.0  # the round's compute the plan assumed (0: unknown)
     checked: bool = False
+
+
+def _round_compute(spec: JobSpec, fleet: Fleet, members: list[str]) -> float:
+    """A round's compute on the slowest of `members`: its measured step of the job's
+    model (from its manifest ack; 0 where none has come) x the steps a round runs."""
+    step = max((fleet.step_s.get(a, 0.0) for a in members), default=0.0)
+    return step * (spec.local_steps if spec.sync != "sync" else 1)
 
 
 def warmup_rounds(spec: JobSpec) -> int:
@@ -90,18 +103,20 @@ class CollectivePlans:
              start: int) -> str:  # fmt: skip
         """The collective of `members` from round `start` (logged and kept)."""
         probes = [replace(fleet.cost_probe(a), hop_s=self.hop_s) for a in members]
-        choice = choose_plan(spec.replace(agents=len(members)), numel, probes)
+        compute = _round_compute(spec, fleet, members)
+        choice = choose_plan(spec.replace(agents=len(members)), numel, probes, compute)
         self.codecs = codec_choosable(spec)
         if choosing(spec):
             expected = self._expected(members, choice)
-            best = min(expected, key=expected.__getitem__)  # a tie: the first listed
+            time = {a: to_target(spec, a, v, compute) for a, v in expected.items()}
+            best = min(time, key=time.__getitem__)  # a tie: the first listed
             if self.pending in expected and self.epochs and self.epochs[-1].members == members:
                 best = self.pending  # a re-plan's trial, or the best measured after trials
             choice = Choice(best, choice.predicted_s)
         self.pending = ""
         self.epochs = [p for p in self.epochs if p.epoch != epoch]
         self.epochs.append(_Planned(epoch, list(members), start, choice, numel, probes,
-                                    self.hop_s))  # fmt: skip
+                                    self.hop_s, compute_s=compute))  # fmt: skip
         predicted = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in choice.predicted_s.items())
         log.info("epoch %d: collective %s (%s; predicted all-reduce %s)", epoch,
                  choice.algorithm, spec.collective, predicted)  # fmt: skip
@@ -121,6 +136,9 @@ class CollectivePlans:
         if planned.checked or rnd <= first or not isinstance(comm, int | float) or comm <= 0:
             return
         planned.comm.append(float(comm))
+        compute = row.get("compute_s")
+        if isinstance(compute, int | float) and compute >= 0:
+            planned.compute.append(float(compute))
 
     def replan(self, spec: JobSpec) -> str:
         """Why the job should re-form with another collective now, or "" (`observe`)."""
@@ -142,15 +160,18 @@ class CollectivePlans:
         if key in self.settled:
             return ""
         again = self._again(spec.replace(agents=world), planned, chosen)
-        untried = [a for a in again if a not in seen and again[a] <= TRY_WITHIN * measured]
+        compute = statistics.median(planned.compute) if planned.compute else planned.compute_s
+        time = {a: to_target(spec, a, v, compute) for a, v in again.items()}
+        now = to_target(spec, chosen, measured, compute)
+        untried = [a for a in again if a not in seen and time[a] <= TRY_WITHIN * now]
         if untried:
-            self.pending = min(untried, key=again.__getitem__)  # a tie: the first listed
+            self.pending = min(untried, key=time.__getitem__)  # a tie: the first listed
             return (f"trying {self.pending}: predicted {again[self.pending] * 1e3:.1f} ms an "
                     f"all-reduce, {chosen} measured {measured * 1e3:.1f} (predicted "
                     f"{predicted * 1e3:.1f}; {self.hop_s * 1e3:.2f} ms a step the probes "
                     "missed)")  # fmt: skip
         self.settled.add(key)
-        best = min(seen, key=seen.__getitem__)
+        best = min(seen, key=lambda a: to_target(spec, a, seen[a], compute))
         if best == chosen:
             return ""
         self.pending = best
@@ -214,6 +235,12 @@ class CollectivePlans:
             choice: dict[str, Any] = planned.choice.to_dict()
             if self.codecs:
                 choice["codec"] = codec_of(planned.choice.algorithm, spec.compression)
+                # what the plan compared: each plan's round, weighed by its extra rounds
+                choice["compute_s"] = round(planned.compute_s, 6)
+                choice["to_target_s"] = {
+                    a: round(to_target(spec, a, v, planned.compute_s), 6)
+                    for a, v in planned.choice.predicted_s.items()
+                }
             predicted: float | None = round(chosen + steps * compute + gate, 6)
             if centre:
                 predicted = None

@@ -10,7 +10,14 @@ import itertools
 import pytest
 import torch
 
-from fedring.choose import choose_collective, choose_plan, choosing, plans
+from fedring.choose import (
+    ROUNDS_AT_FLOOR,
+    choose_collective,
+    choose_plan,
+    choosing,
+    plans,
+    rounds_factor,
+)
 from fedring.collective.cost import DENSE, Probe, codec_of, collective_of
 from fedring.compression.policy import choose_density
 from fedring.config import JobSpec, SpecError
@@ -87,6 +94,31 @@ def test_never_predicted_slower_than_the_dense_ring(collective: str) -> None:
         dense = choice.predicted_s[f"{DENSE}ring"]
         assert choice.predicted_s[choice.algorithm] <= dense, (mbit, rtt, numel, enc)
         assert collective_of(choice.algorithm) in ("ring", "fanout", "hub")
+
+
+def test_group_topk_is_charged_the_extra_rounds_it_needs_to_reach_the_target() -> None:
+    """Time to target, not a round: at 1% group-top-k needs `ROUNDS_AT_FLOOR` x dense's
+    rounds, less the denser it is; a dense plan and a job whose codec is fixed, 1."""
+    assert rounds_factor(job(density=0.01), "ring") == pytest.approx(ROUNDS_AT_FLOOR)
+    assert rounds_factor(job(density=0.01), "dense ring") == 1.0
+    assert 1.0 < rounds_factor(job(density=0.075), "fanout") < rounds_factor(job(), "ring")
+    fixed = JobSpec.from_mapping({"agents": 4, "rounds": 200, "density": 0.01})
+    assert rounds_factor(fixed, "ring") == 1.0
+
+
+def test_a_round_the_cpu_bounds_goes_dense_where_the_link_alone_would_not() -> None:
+    """50 Mbit/s, the CNN: group-top-k's all-reduce is shorter (8 ms against 14), so with
+    no compute known it wins even at its extra rounds; with 5 ms of compute a round the
+    extra rounds cost more than the link saves, and dense reaches the target first. On
+    a 1 Mbit/s link group-top-k wins at any compute."""
+    spec = job()
+    bare = choose_plan(spec, NUMEL, probes(50.0))
+    assert bare.algorithm == "ring"
+    assert bare.predicted_s["ring"] < bare.predicted_s["dense ring"]
+    computed = choose_plan(spec, NUMEL, probes(50.0), compute_s=0.005)
+    assert computed.algorithm == "dense ring"
+    assert computed.predicted_s == bare.predicted_s  # still all-reduce seconds
+    assert choose_plan(spec, NUMEL, probes(1.0), compute_s=0.05).algorithm == "ring"
 
 
 def test_simulate_chooses_the_collective_alone() -> None:

@@ -191,3 +191,32 @@ def test_compression_auto_tries_dense_when_group_topk_cpu_may_explain_the_excess
     assert predicted["dense ring"] + (measured - predicted["ring"]) > TRY_WITHIN * measured
     why = feed(plans, job, rows_from(plans), measured, CALIBRATION_ROUNDS)
     assert why.startswith("trying dense ring:"), why
+
+
+def test_compression_auto_weighs_the_measured_compute_with_group_topks_extra_rounds() -> None:
+    """Group-top-k's all-reduce measures as predicted, shorter than the dense ring's; but
+    the head's rows say a round computes for 30 ms, and group-top-k needs more rounds to
+    the target (`choose.rounds_factor`): the dense ring reaches it first and is tried.
+    Once the members' acks report that step, the next plan starts dense."""
+    job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
+                                "compression": "auto"})  # fmt: skip
+    hello = {**HELLO, "up_bps": 6.25e6, "down_bps": 6.25e6}  # 50 Mbit/s
+    plans, f = CollectivePlans(), Fleet(hellos={a: dict(hello) for a in MEMBERS})
+    assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring" and plans.codec() == ""
+    predicted = plans.epochs[0].choice.predicted_s
+    assert predicted["ring"] < predicted["dense ring"]
+    first = rows_from(plans)
+    for r in range(first, first + CALIBRATION_ROUNDS):
+        plans.observe(job, r, {"round": r, "comm_s": predicted["ring"], "compute_s": 0.03})
+        why = plans.replan(job)
+    assert why.startswith("trying dense ring:"), why
+    # without the compute the same measurement keeps group-top-k
+    bare = CollectivePlans()
+    bare.plan(job, 0, MEMBERS, f, NUMEL, 0)
+    assert feed(bare, job, rows_from(bare), predicted["ring"], CALIBRATION_ROUNDS) == ""
+    # a fresh job whose members acked a 30 ms step plans the dense ring at once
+    acked = Fleet(hellos={a: dict(hello) for a in MEMBERS})
+    for a in MEMBERS:
+        acked.on_ack(a, {"step_s": 0.03})
+    fresh = CollectivePlans()
+    assert fresh.plan(job, 0, MEMBERS, acked, NUMEL, 0) == "ring" and fresh.codec() == "dense"
