@@ -7,7 +7,7 @@ collective it still records the model's prediction for it. Each metrics row of t
 epoch carries the collective and its predicted all-reduce seconds; the summary's
 ``collective`` list has, per epoch, every candidate's prediction, the predicted
 round (the all-reduce, the slowest member's measured compute, and the head's wait
-for its checkpoint: a round trip, the model up, the coordinator's save) and the
+for its checkpoint: a round trip, the members' slices up, the coordinator's save) and the
 measured round (the median of the head's round-to-round wall time, past the density
 warm-up when the epoch runs past it: the model predicts the target density's payload).
 
@@ -45,6 +45,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fedring.aggregation.rules import Aggregation
 from fedring.build import needs_centre
 from fedring.choose import choose_plan, choosing, codec_choosable, to_target
 from fedring.collective.cost import Choice, Probe, codec_of, steps
@@ -229,9 +230,7 @@ class CollectivePlans:
             steps = spec.local_steps if spec.sync != "sync" else 1
             compute = max((fleet.step_s.get(a, 0.0) for a in planned.members), default=0.0)
             chosen = planned.choice.predicted_s[planned.choice.algorithm]
-            # the head waits for its checkpoint's ack: up to the broker, saved, acked
-            head, save = fleet.cost_probe(planned.members[0]), self._save_s()
-            gate = (head.rtt_s + head.up(4 * planned.numel) + save) / spec.checkpoint_every
+            gate = self._checkpoint_wait(spec, planned, fleet) / spec.checkpoint_every
             choice: dict[str, Any] = planned.choice.to_dict()
             if self.codecs:
                 choice["codec"] = codec_of(planned.choice.algorithm, spec.compression)
@@ -258,6 +257,22 @@ class CollectivePlans:
                 "hop_s": round(planned.hop_s, 6),
             })  # fmt: skip
         return out
+
+    def _checkpoint_wait(self, spec: JobSpec, planned: _Planned, fleet: Fleet) -> float:
+        """The head's wait for a checkpoint's ack: the slowest sender's round trip and
+        upload, and the coordinator's save. Past a segment's first checkpoint the members
+        other than the head each send a patch of their slice (`edge_agent.checkpoint_stream`),
+        at most the slice's dense fp32 (`wire.patch`); the ``hybrid`` rule keeps the
+        head's whole upload (so does a ring of mixed architectures, not told apart here)."""
+        members = planned.members
+        if len(members) > 1 and Aggregation.parse(spec.aggregation).kind != "hybrid":
+            share = 4 * planned.numel / (len(members) - 1)
+            senders = [fleet.cost_probe(a) for a in members[1:]]
+            wait = max(p.rtt_s + p.up(share) for p in senders)
+        else:
+            head = fleet.cost_probe(members[0])
+            wait = head.rtt_s + head.up(4 * planned.numel)
+        return wait + self._save_s()
 
     def _save_s(self) -> float:
         return statistics.median(self.saves) if self.saves else 0.0

@@ -220,3 +220,22 @@ def test_compression_auto_weighs_the_measured_compute_with_group_topks_extra_rou
         acked.on_ack(a, {"step_s": 0.03})
     fresh = CollectivePlans()
     assert fresh.plan(job, 0, MEMBERS, acked, NUMEL, 0) == "ring" and fresh.codec() == "dense"
+
+
+def test_the_predicted_round_counts_the_members_checkpoint_patches_not_a_whole_upload() -> None:
+    """With the checkpoint stream the head waits for the members' patches of their
+    slices (a third of the model each in a ring of 4), not for its own whole upload;
+    the ``hybrid`` rule keeps the whole upload."""
+    job = spec("ring").replace(checkpoint_every=1)
+    plans, f = CollectivePlans(), fleet()
+    plans.plan(job, 0, MEMBERS, f, NUMEL, 0)
+    [epoch] = plans.summary(job, {}, f)
+    allreduce = epoch["predicted_s"]["ring"]
+    slice_up = HELLO["rtt_s"] + 4 * NUMEL / 3 / HELLO["up_bps"]
+    assert abs(epoch["predicted_round_s"] - (allreduce + slice_up)) < 2e-6
+    hybrid = job.replace(aggregation="hybrid:1")
+    [whole] = plans.summary(hybrid, {}, f)
+    assert (
+        whole["predicted_round_s"]
+        > epoch["predicted_round_s"] + 2 * 4 * NUMEL / 3 / HELLO["up_bps"] - 1e-6
+    )
