@@ -113,7 +113,10 @@ class AgentDaemon:
 
     def run(self) -> int:
         torch.set_num_threads(self.threads)
-        self.link = MqttLink(self.cfg, self.me, counters=self.counters).connect()
+        # The coordinator's presence, and that of the peers of our job (`_watch`) alone:
+        # every agent's would be N² messages as a fleet enrols (issue 29).
+        self.link = MqttLink(self.cfg, self.me, counters=self.counters,
+                             statuses="peers").connect()  # fmt: skip
         self._hello()
         if self.attack is not None:
             log.warning("this agent ATTACKS: %s in every ring, star and async job it joins "
@@ -208,6 +211,7 @@ class AgentDaemon:
             if why == "done":
                 self._join()
                 self._leave_job()
+                self._watch([])
                 self.worker, self.awaiting = None, None
                 self.feed.finish(ok=True)
                 self.jobs_done += 1
@@ -220,6 +224,7 @@ class AgentDaemon:
         try:
             self.codec.key = bytes.fromhex(str(doc["key"]))  # so that a refusal is signed
             seg = read_segment(doc, self.me)
+            self._watch(seg.members)  # this epoch's peers: a dead one is seen at once
             if self.worker is None or self.worker.job != seg.job:
                 self._leave_job()  # a new job: the old one's frames are flood from now on
                 assert self.link is not None
@@ -367,6 +372,12 @@ class AgentDaemon:
         log.info("%s: epoch %d, rank %d of %d, from round %d", self.me, seg.epoch,
                  seg.members.index(self.me), len(seg.members), seg.start_round)  # fmt: skip
         run.thread.start()
+
+    def _watch(self, members: list[str]) -> None:
+        """Hear the presence of these members (the manifest's ring view: its ``~i``
+        placeholders are members we never exchange with) and the coordinator's."""
+        if self.link is not None:
+            self.link.watch_peers(m for m in members if not m.startswith("~"))
 
     def _leave_job(self) -> None:
         """Unsubscribe from the current job's topics (its star's too): an agent holds

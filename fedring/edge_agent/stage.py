@@ -151,6 +151,7 @@ class StageHost:
             if msg.doc.get("why") == "done":
                 self.join()
                 self.current = None
+                self.link.watch_peers([])  # the coordinator's presence alone
         return msg.kind in ("model", "ack", "bye")
 
     def halt(self, why: str) -> None:
@@ -176,6 +177,8 @@ class StageHost:
         try:
             self.codec.key = bytes.fromhex(str(doc["key"]))  # so that a refusal is signed
             self.current = self._prepare(doc)
+            if self.link is not None:  # the stages and replicas this one exchanges with
+                self.link.watch_peers(self.current.members)
         except (KeyError, TypeError, ValueError, SpecError, DatasetError, TaskError,
                 StageSplitError, ShardError) as exc:  # fmt: skip
             self.counters.add("job_refused")

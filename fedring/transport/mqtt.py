@@ -4,7 +4,9 @@ One `MqttLink` is one connection for one identity (an agent id or
 ``coordinator``). It publishes retained presence on ``agents/{id}/status`` with a
 last-will that marks it ``lost`` (both name its job when it was given one:
 `peers_in` finds a job's agents, which is how `fedring.connect` rendezvouses),
-subscribes to its own inboxes and to everyone's presence, reconnects with
+subscribes to its own inboxes and to everyone's presence (an agent's link, made with
+``statuses="peers"``, to the coordinator's and its job's peers' only: `watch_peers`,
+`mqtt_watch`), reconnects with
 exponential backoff plus jitter, beats on ``agents/{id}/beat`` (a *watching* link, the
 coordinator's, takes a peer whose beats stop for lost: a hung board), and keeps a
 bounded outgoing queue (QoS 1;
@@ -52,7 +54,8 @@ connection's events and ``closed`` flag, set once; the router's job sets).
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
+from typing import Literal
 
 import paho.mqtt.client as mqtt
 
@@ -74,6 +77,7 @@ from fedring.transport.mqtt_presence import SILENT_AFTER, Heartbeat, Presence
 from fedring.transport.mqtt_probe import NAGLE_STALL_S, Probe
 from fedring.transport.mqtt_routing import Router
 from fedring.transport.mqtt_session import Session
+from fedring.transport.mqtt_watch import StatusWatch
 
 __all__ = [
     "NAGLE_STALL_S",
@@ -103,6 +107,9 @@ class MqttLink:
         counters: Counters | None = None,
         job: str | None = None,  # announced in our presence (see `peers_in`)
         watch: bool = False,  # take a peer whose heartbeats stop for lost (the coordinator)
+        # "all": every agent's presence (coordinator, rendezvous, watchers); "peers": that
+        # of `control_from` and of the peers `watch_peers` names (an agent, issue 29)
+        statuses: Literal["all", "peers"] = "all",
     ) -> None:
         self.cfg = cfg
         self.me = topics.check_id("id", me)
@@ -119,9 +126,13 @@ class MqttLink:
         self._heart = Heartbeat(self._conn, self._presence if watch else None)
         self._session = Session(self._conn, self._heart.stop.set)
         self._probe = Probe(self._conn)
+        if statuses not in ("all", "peers"):
+            raise ValueError(f"statuses={statuses!r} must be 'all' or 'peers'")
+        always = [p for p in control_from if p != "*"] if statuses == "peers" else None
+        self._statuses = StatusWatch(self._conn, always, self._presence.watch)
         self._router = Router(
             self._conn, self._inboxes, self.stats, self.counters, control_from=control_from,
-            listen_hellos=listen_hellos, status=self._presence.status,
+            listen_hellos=listen_hellos, statuses=self._statuses, status=self._presence.status,
             beat=self._presence.beat if watch else None, probe=self._probe.seen.put,
         )  # fmt: skip
 
@@ -178,6 +189,15 @@ class MqttLink:
     def peers_in(self, job: str) -> dict[str, str]:
         """Online peers whose presence names `job` (links made with ``job=``): id -> session."""
         return self._presence.peers_in(job)
+
+    def watch_peers(self, peers: Iterable[str]) -> None:
+        """Hear the presence of `peers` (and of `control_from`) from now on, no one
+        else's: a link made with ``statuses="peers"`` (an agent) calls it with each
+        manifest's members and with none once the job is done. The new peers' retained
+        statuses arrive at once (one already gone is a "left" or "lost" event); those no
+        longer named are forgotten, with no event. A link that hears all ignores it.
+        A peer's bad id is a `TopicError` naming it."""
+        self._statuses.watch(peers)
 
     def endpoint(self, job: str, *, private: bool = False) -> MqttEndpoint:
         """The job's `Endpoint`; from now on peers' frames of `job` are held for it.

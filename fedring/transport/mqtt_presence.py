@@ -138,6 +138,14 @@ class _Table:
     # peer -> (session, its last beat, its silence limit: SILENT_AFTER x its keep-alive)
     beats: dict[str, tuple[str, float, float]] = field(default_factory=dict)
     silent: dict[str, str] = field(default_factory=dict)  # peer -> session lost to silence
+    fresh: set[str] = field(default_factory=set)  # watched anew: their first status not read
+
+    def forget(self, who: str) -> None:
+        for table in (self.online, self.jobs, self.pending_lost, self.silent):
+            table.pop(who, None)
+        self.keepalive.pop(who, None)
+        self.beats.pop(who, None)
+        self.fresh.discard(who)
 
 
 class Presence:
@@ -163,6 +171,16 @@ class Presence:
         with self._lock:
             jobs = self._table.jobs
             return {who: s for who, s in self._table.online.items() if jobs.get(who) == job}
+
+    def watch(self, added: frozenset[str], removed: frozenset[str]) -> None:
+        """Our link hears `added` peers' statuses from now on and `removed`'s no more
+        (`StatusWatch`): the removed are forgotten without an event (we no longer know
+        them); an added one's first status says what it was before we looked, so its
+        "online" is no news (no "joined"), while its "offline" or will is a departure."""
+        with self._lock:
+            for who in removed:
+                self._table.forget(who)
+            self._table.fresh.update(added)
 
     def connected(self, reconnect: bool) -> None:
         """Our link is up: beats sent while we were away never reached us."""
@@ -192,24 +210,28 @@ class Presence:
         table = self._table
         with self._lock:
             known = table.online.get(who)
+            fresh = who in table.fresh  # watched anew: gone by now if not online
+            table.fresh.discard(who)
             table.pending_lost.pop(who, None)
             table.silent.pop(who, None)
             if state == "online":
                 if known != session:
                     if known is not None:  # restarted without us seeing it go
                         events.append(MembershipEvent("lost", who))
-                    events.append(MembershipEvent("joined", who))
+                    if not fresh:
+                        events.append(MembershipEvent("joined", who))
                     table.online[who], table.jobs[who] = session, job
                     table.keepalive[who] = keepalive
-            elif known is not None and (not session or session == known):
+            elif fresh or (known is not None and (not session or session == known)):
                 if state == "lost":  # confirmed later: a broker going down sends every will
                     table.pending_lost[who] = session
-                    grace = self._lost_grace(retained)
+                    # A watched-anew peer's retained will is news to us, not a leftover.
+                    grace = self._lost_grace(retained and not fresh)
                     timer = threading.Timer(grace, self._confirm_lost, (who, session, self._drops))
                     timer.daemon = True
                     timer.start()
                 else:
-                    del table.online[who]
+                    table.online.pop(who, None)
                     events.append(MembershipEvent("left", who))
         self._emit(who, events)
 

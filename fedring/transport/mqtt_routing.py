@@ -24,6 +24,7 @@ from fedring.transport import topics
 from fedring.transport.base import Delivery, LinkStats
 from fedring.transport.mqtt_connection import Connection
 from fedring.transport.mqtt_inbox import Control, Inboxes
+from fedring.transport.mqtt_watch import StatusWatch
 
 
 class Router:
@@ -31,12 +32,14 @@ class Router:
 
     ``control_from``: senders whose inbox frames go to the control queue (``*``: all);
     ``listen_hellos``: also hear every agent's hello and every job's metrics (the
-    coordinator); `status`, `beat` (a watcher's; None: beats are not heard) and `probe`
-    take presence, heartbeats and our probe's echoes.
+    coordinator); `statuses`: whose presence we hear (`StatusWatch`); `status`, `beat`
+    (a watcher's; None: beats are not heard) and `probe` take presence, heartbeats and
+    our probe's echoes.
     """
 
     def __init__(self, conn: Connection, inboxes: Inboxes, stats: LinkStats,
                  counters: Counters, *, control_from: Collection[str], listen_hellos: bool,
+                 statuses: StatusWatch,
                  status: Callable[[str, bytes, bool], None],
                  beat: Callable[[str, bytes], None] | None,
                  probe: Callable[[bytes], None]) -> None:  # fmt: skip
@@ -45,6 +48,7 @@ class Router:
         self._control_from = frozenset(control_from)
         self._listen_hellos = listen_hellos
         self._status, self._beat, self._probe = status, beat, probe
+        self.statuses = statuses
         job = conn.job
         # Jobs whose peer frames we hold: ours, those with an open endpoint, and those the
         # coordinator (whose sender level only it may write) has sent us a frame in.
@@ -57,7 +61,8 @@ class Router:
 
     def subscribe(self, client: mqtt.Client) -> None:
         """Everything we hear, subscribed on every (re)connect."""
-        subs = [topics.my_inboxes(self.me), f"{topics.ROOT}/agents/+/status", topics.probe(self.me)]
+        self.statuses.flush(client)
+        subs = [topics.my_inboxes(self.me), *self.statuses.topics(), topics.probe(self.me)]
         if self._listen_hellos:
             subs += [f"{topics.ROOT}/agents/+/hello", f"{topics.ROOT}/jobs/+/metrics/+"]
         if self._beat is not None:
@@ -117,7 +122,8 @@ class Router:
         if agent is not None:
             who, leaf = agent
             if leaf == "status":
-                self._status(who, payload, retained)
+                if self.statuses.hears(who):  # else dropped from our watch: in flight
+                    self._status(who, payload, retained)
             elif leaf == "hello" and payload:
                 self.inboxes.offer(self.inboxes.control, Control("hello", who, payload), topic)
             elif leaf == "probe" and who == self.me:

@@ -1,0 +1,151 @@
+"""An agent's link hears the coordinator's and its job's peers' presence only (issue 29),
+against a real Mosquitto: no status fan-out to every agent, and a dead peer still seen."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+from collections.abc import Callable, Iterator
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from fedring.transport import topics
+from fedring.transport.base import Deadline, MembershipEvent, TransportTimeout
+from fedring.transport.mosquitto import Mosquitto
+from fedring.transport.mqtt import BrokerConfig, Control, MqttLink
+from fedring.transport.topics import TopicError
+from tests.mqtt.conftest import MISSING
+
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING or "mosquitto present")
+COORD = topics.COORDINATOR
+
+
+@pytest.fixture
+def broker(tmp_path) -> Iterator[Mosquitto]:  # type: ignore[no-untyped-def]
+    with Mosquitto(persistence=True, workdir=tmp_path / "b") as b:
+        yield b
+
+
+@contextlib.contextmanager
+def _links(*links: MqttLink) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for link in links:
+            link.close()
+
+
+def _until(what: str, ok: Callable[[], bool], within: float = 10.0) -> None:
+    deadline = Deadline.after(within)
+    while not ok():
+        assert not deadline.expired, what
+        time.sleep(0.02)
+
+
+def _events(link: MqttLink, within: float) -> list[MembershipEvent]:
+    """The membership events on `link`'s data queue within `within` s."""
+    found: list[MembershipEvent] = []
+    deadline = Deadline.after(within)
+    while not deadline.expired:
+        try:
+            item = link.endpoint("j").recv(Deadline.after(min(0.05, deadline.remaining())))
+        except TransportTimeout:
+            continue
+        if isinstance(item, MembershipEvent):
+            found.append(item)
+    return found
+
+
+def _heard(link: MqttLink) -> set[str]:
+    """Whose membership changes reached `link`'s control queue so far."""
+    names = set()
+    while True:
+        try:
+            item: Control = link.control.get_nowait()
+        except queue.Empty:
+            return names
+        if item.kind == "member":
+            names.add(item.src)
+
+
+def test_an_agent_hears_the_coordinator_and_its_peers_not_the_fleet(broker: Mosquitto) -> None:
+    """Fails on the old links, which subscribed to every agent's status: `a` would hear
+    `c` come and go. A wildcard an older process left in `a`'s persistent session is
+    dropped on connect."""
+    stale = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="fedring-a", clean_session=False)
+    stale.connect("127.0.0.1", broker.port)
+    stale.subscribe(f"{topics.ROOT}/agents/+/status", qos=1)
+    stale.loop_start()
+    time.sleep(0.3)  # no SUBACK callback needed: the disconnect follows the SUBSCRIBE in order
+    stale.disconnect()
+    stale.loop_stop()
+    cfg = BrokerConfig.parse(broker.url)
+    coord = MqttLink(cfg, COORD, control_from=("*",), listen_hellos=True).connect()
+    b = MqttLink(cfg, "b").connect()
+    a = MqttLink(cfg, "a", statuses="peers").connect()
+    with _links(a, b, coord):
+        _until("a never saw the coordinator", lambda: COORD in a.peers())
+        assert a.peers() == {COORD}  # b is online, but in no job with a
+        a.watch_peers(["b", "a"])  # a ring of two: its own id is skipped
+        _until("a never saw b once watched", lambda: "b" in a.peers())
+        c = MqttLink(cfg, "c").connect()
+        c.close()
+        seen: set[str] = set()
+        _until("the coordinator never saw c come and go",
+               lambda: bool(seen.update(_heard(coord))) or ("c" in seen and "c" not in
+                                                             coord.peers()))  # fmt: skip
+        assert a.peers() == {COORD, "b"}
+        assert _heard(a) <= {COORD}  # b's arrival on watch is no news; c never reached it
+        a.watch_peers([])
+        assert a.peers() == {COORD}  # b is forgotten, without an event
+        b.kill()
+        assert [e for e in _events(a, 1.0) if e.name == "b"] == []
+
+
+def test_a_watched_peer_killed_is_lost_within_one_and_a_half_keepalives(
+    broker: Mosquitto,
+) -> None:
+    cfg = BrokerConfig.parse(broker.url, keepalive=5)
+    a = MqttLink(cfg, "a", statuses="peers").connect()
+    b = MqttLink(cfg, "b").connect()
+    with _links(a):
+        a.watch_peers(["b"])
+        _until("a never saw b", lambda: "b" in a.peers())
+        start = time.monotonic()
+        b.kill()
+        _until("b was not lost", lambda: MembershipEvent("lost", "b") in _events(a, 0.1), 7.5)
+        assert time.monotonic() - start <= 7.5 and "b" not in a.peers()
+
+
+def test_a_peer_gone_before_it_is_watched_is_seen_at_once(broker: Mosquitto) -> None:
+    """A manifest may name a peer that died since: its retained will (or goodbye) arrives
+    on subscribe and is news, not a broker restart's leftover (no 12 s restart grace)."""
+    cfg = BrokerConfig.parse(broker.url)
+    a = MqttLink(cfg, "a", statuses="peers").connect()
+    b, c = MqttLink(cfg, "b").connect(), MqttLink(cfg, "c").connect()
+    spy = MqttLink(cfg, "spy").connect()  # hears all: b's will is at the broker
+    with _links(a, spy):
+        _until("spy never saw b and c", lambda: {"b", "c"} <= spy.peers())
+        b.kill()
+        c.close()
+        _until("b's will never came", lambda: not {"b", "c"} & spy.peers(), 10)
+        start = time.monotonic()
+        a.watch_peers(["b", "c"])
+        gone = {MembershipEvent("lost", "b"), MembershipEvent("left", "c")}
+        events: set[MembershipEvent] = set()
+        while not gone <= events:
+            assert time.monotonic() - start < 5, events
+            events.update(_events(a, 0.1))
+        assert time.monotonic() - start < cfg.restart_grace_s / 2
+        assert a.peers() == set()  # no coordinator online here
+
+
+def test_a_bad_peer_id_is_a_topic_error_naming_it(broker: Mosquitto) -> None:
+    a = MqttLink(BrokerConfig.parse(broker.url), "a", statuses="peers").connect()
+    with _links(a), pytest.raises(TopicError, match="peer 'x/#'"):
+        a.watch_peers(["x/#"])
+    with pytest.raises(ValueError, match="statuses='some'"):
+        MqttLink(BrokerConfig.parse(broker.url), "a", statuses="some")  # type: ignore[arg-type]
