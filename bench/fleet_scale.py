@@ -39,23 +39,28 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     ap.add_argument("--rounds", type=int, default=20, help="star rounds (async: 2 per agent)")
     ap.add_argument("--out", type=Path, default=Path("runs/fleet-scale"))
-    ap.add_argument("--no-presence", action="store_true",
-                    help="agents skip every agent's status (real ones subscribe)")  # fmt: skip
+    ap.add_argument("--presence", choices=("peers", "all", "none"), default="peers",
+                    help="whose status agents subscribe to: the coordinator's and their "
+                         "peers' (as real agents), every agent's (real ones before issue "
+                         "29), none")  # fmt: skip
+    ap.add_argument("--no-presence", action="store_true", help="the same as --presence none")
     args = ap.parse_args()
+    presence = "none" if args.no_presence else args.presence
     rows = []
     for mode in args.modes:
         for n in sorted(args.agents):
             started = time.monotonic()
             row = run_scenario(mode, n, args.rounds, args.out / f"{mode}-{n}",
-                               presence=not args.no_presence)  # fmt: skip
+                               presence=presence)  # fmt: skip
             rows.append(row)
             print(f"{mode:8} N={n:5}: enrol {row['enrol_s']} s, coordinator "
                   f"{row['coordinator_cpu_rounds_s']} s CPU over {row['rounds']} rounds, "
-                  f"broker {row['broker_cpu_rounds_s']} s, RSS {row['coordinator_rss_mb']} MB "
+                  f"broker {row['broker_cpu_rounds_s']} s, RSS {row['coordinator_rss_mb']} MB, "
+                  f"{row['loadgen']['statuses_heard']} statuses heard by the agents "
                   f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
     found = fits(rows)
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
-    result = {"machine": machine, "presence": not args.no_presence, "rows": rows, "fits": found}
+    result = {"machine": machine, "presence": presence, "rows": rows, "fits": found}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fleet_scale.json").write_text(json.dumps(result, indent=1, sort_keys=True))
     md = f"Machine: {machine}.\n\n{table(rows)}\n\nFits against N:\n\n{fit_table(found)}\n"

@@ -2,7 +2,8 @@
 
 `fedring coordinator run` cannot tell these agents from real ones at the protocol
 level: each has its own connection (`loadgen_mqtt.MqttConn`), retained presence with
-a will, beats, a retained hello (`wire.control` frame, its profile and link figures);
+a will, beats, the coordinator's and its manifest's peers' statuses heard (issue 29),
+a retained hello (`wire.control` frame, its profile and link figures);
 it acknowledges its manifest once the checkpoint's model arrived, sends star and
 asynchronous updates of the job's size as sealed compact frames (`wire.compact`,
 a group-top-k payload of the manifest's numel, G, k and value dtype), sends the head's
@@ -47,6 +48,7 @@ from fedring.wire.patch import encode_patch
 
 log = logging.getLogger(__name__)
 COORD = topics.COORDINATOR
+PRESENCE = ("peers", "all", "none")  # `LoadSettings.presence`
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,17 @@ class LoadSettings:
     port: int
     prefix: str = "load"  # agent ids: PREFIX-0000 ...
     keepalive: int = 5  # seconds; beats go out 3 times a keep-alive, as a real link's
-    presence: bool = True  # subscribe to every agent's status, as every real link does
+    # Whose status an agent subscribes to: "peers", the coordinator's and its manifest's
+    # peers', as a real agent (`MqttLink.watch_peers`); "all", every agent's, as real
+    # agents did before issue 29 (N² messages at enrolment); "none".
+    presence: str = "peers"
     link_bps: float = 50e6  # announced in the hello (real agents measure theirs)
     machine: str = "x86_64"
     connect_parallel: int = 64  # connections opened at once
+
+    def __post_init__(self) -> None:
+        if self.presence not in PRESENCE:
+            raise ValueError(f"presence={self.presence!r} must be one of {PRESENCE}")
 
 
 @dataclass
@@ -69,6 +78,7 @@ class AgentTimes:
     rounds: int = 0
     manifests: int = 0
     refused: int = 0  # frames that did not decode
+    statuses: int = 0  # other agents' statuses the broker handed us (issue 29)
 
 
 @dataclass
@@ -116,6 +126,7 @@ class ProtocolAgent:
         self._seq = 0
         self._beats: asyncio.Task[None] | None = None
         self._hello_doc: dict[str, Any] = {}
+        self._watched: set[str] = set()  # peers whose status we subscribe to ("peers")
 
     # -- presence ---------------------------------------------------------------------
 
@@ -128,13 +139,27 @@ class ProtocolAgent:
         will = (topics.status(me), self.status("lost"), 1, True)
         await self.conn.open(s.host, s.port, s.keepalive, will=will)
         subs = [(topics.my_inboxes(me), 1), (topics.probe(me), 1)]
-        if s.presence:
+        if s.presence == "all":
             subs.append((f"{topics.ROOT}/agents/+/status", 1))
+        elif s.presence == "peers":  # our own (a link reads it: issue 27), the coordinator's
+            subs += [(topics.status(me), 1), (topics.status(COORD), 1)]
         self.conn.subscribe(subs)
         self.conn.publish(topics.status(me), self.status("online"), retain=True)
         self.times.hello = time.monotonic()
         self.hello("")
         self._beats = asyncio.create_task(self._beat())
+
+    def watch(self, peers: set[str]) -> None:
+        """As `MqttLink.watch_peers`: subscribe to the new peers' statuses, drop the rest."""
+        if self.settings.presence != "peers":
+            return
+        peers = peers - {self.me, COORD}
+        added, removed = peers - self._watched, self._watched - peers
+        if added:
+            self.conn.subscribe([(topics.status(p), 1) for p in sorted(added)])
+        for peer in sorted(removed):
+            self.conn.unsubscribe(topics.status(peer))
+        self._watched = peers
 
     def hello(self, job: str) -> None:
         if not self._hello_doc:
@@ -177,6 +202,8 @@ class ProtocolAgent:
     def _on_message(self, topic: str, payload: bytes, retained: bool) -> None:
         box = topics.parse_inbox(topic)
         if box is None or box[2] != COORD:
+            if topic.endswith("/status") and topic != topics.status(self.me):
+                self.times.statuses += 1
             return  # presence and probes: heard (the broker's fan-out), not read
         job = box[0]
         if topics.is_star(job):
@@ -209,6 +236,8 @@ class ProtocolAgent:
             limits=FrameLimits(max_frame_bytes=frame_bytes) if frame_bytes else FrameLimits(),
         )  # fmt: skip
         seg.acked = seg.committed = seg.start
+        peers = doc.get("peers")
+        self.watch({str(p) for p in peers.values()} if isinstance(peers, dict) else set())
         if self.seg is None or self.seg.job != seg.job:  # a new job: as `MqttLink.join`
             self.conn.subscribe([(topics.job_broadcasts(seg.job), 1),
                                  (topics.job_broadcasts(topics.star(seg.job)), 1)])  # fmt: skip
@@ -245,6 +274,7 @@ class ProtocolAgent:
         seg = self.seg
         if msg.doc.get("why") == "done":
             self.times.done = time.monotonic()
+            self.watch(set())
             self.hello("")
             self.finished.set()
         elif seg is not None and seg.task is not None and not seg.task.done():

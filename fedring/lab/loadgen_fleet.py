@@ -117,6 +117,7 @@ class LoadFleet:
                 for k, v in a.codec.counters.snapshot().items()
                 if k.startswith("frame_")
             ),
+            "statuses_heard": sum(t.statuses for t in times),  # N² with every agent's
             "bytes_sent": sum(a.conn.bytes_sent for a in self.agents),
             "bytes_received": sum(a.conn.bytes_received for a in self.agents),
             "numel": self.params.numel,

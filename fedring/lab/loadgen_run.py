@@ -111,7 +111,7 @@ async def _fleet(settings: LoadSettings, n: int, coord: int, broker: int,
 
 
 def run_scenario(mode: str, n: int, rounds: int, workdir: Path, *, timeout_s: float = 600.0,
-                 presence: bool = True) -> dict[str, Any]:  # fmt: skip
+                 presence: str = "peers") -> dict[str, Any]:  # fmt: skip
     """Run one scenario; the figures `bench/fleet_scale.py` tabulates."""
     workdir.mkdir(parents=True, exist_ok=True)
     job = workdir / "job.toml"

@@ -169,6 +169,9 @@ def test_protocol_agents_run_a_real_coordinators_job(tmp_path: Path, mode: str, 
     loadgen, summary = row["loadgen"], row["summary"]
     assert loadgen["finished"] == loadgen["acked"] == n
     assert loadgen["refused_frames"] == 0
+    # The coordinator's status, and their manifest peers' as real agents (issue 29); every
+    # agent's would be at least n (n - 1) / 2, one each time a later agent comes online.
+    assert 0 < loadgen["statuses_heard"] <= 4 * n
     assert loadgen["numel"] == 12_740  # learnt from the checkpoint's model, as agents do
     assert row["enrol_s"] is not None and 0 < row["enrol_s"] < 30
     assert summary["reformations"] == 0
