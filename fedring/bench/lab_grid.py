@@ -366,9 +366,12 @@ def write(doc: dict[str, Any], out: Path, draw: bool = True) -> dict[str, Any]:
     """``grid.json``, ``grid.md`` (the tables) and, with `draw`, ``grid.png`` (the plot)
     in `out`."""
     from fedring.bench.lab_grid_report import plot, tables
+    from fedring.bench.lab_grid_verdict import verdict
 
     atomic_write(out / "grid.json", json.dumps(doc, indent=1))
-    atomic_write(out / "grid.md", tables(doc) + "\n")
+    judged = any(r["method"] == "auto-codec" for r in doc["runs"])
+    head = "\n\n`auto` choosing codec and collective against the rest (issue 29's bars):\n\n"
+    atomic_write(out / "grid.md", tables(doc) + (head + verdict(doc, out) if judged else "") + "\n")
     if doc["runs"] and draw:
         doc["plot"] = str(plot(doc, out / "grid.png"))
     return doc

@@ -1,0 +1,158 @@
+"""Issue 29's verdict on a grid: `auto` choosing codec and collective against the rest.
+
+For every cell where ``auto-codec`` (``compression = "auto"``, ``collective = "auto"``)
+ran, from the runs in ``grid.json`` and each fedring run's ``metrics.jsonl``:
+
+- ``÷ best fixed``: its seconds to target over the best fixed fedring setting's (ring,
+  fanout or hub at group-top-k, or the dense ring); the bar is 1.05;
+- ``÷ fastest peer``: over the fastest peer's (dense ring, Flower FedAvg, DDP, DDP +
+  PowerSGD); the bar is 1.0 within noise;
+- ``dense comm``: the dense ring's share of its round spent communicating, from its
+  rows (``comm_s / step_s``), else ``1 - compute / round`` with the compute of
+  auto-codec's rows (the same model, batch and machine); where it is >= 0.8 the bar is
+  5x every peer.
+
+**Noise** is measured in the grid itself: where ``auto`` or ``auto-codec`` ran the very
+plan of a fixed method all through (the same collective and codec, no re-plan), the two
+runs differ only by chance, so ``|their time ratio - 1|`` is a sample of the run-to-run
+noise; the verdict states how many pairs, their median and their largest, and reads
+"within noise" as at most ``1 + median`` (the strict reading: half the pairs of one
+plan differed by more).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from fedring.bench.lab_grid_report import cells
+
+FIXED = ("ring", "fanout", "hub", "dense")  # fedring's fixed settings ("dense": the dense ring)
+PEERS = ("dense", "flower", "ddp", "powersgd2", "powersgd4")
+COMM_BOUND = 0.8  # the dense round's communication share from which 5x is the bar
+SAME_PLAN = {"ring": "ring", "fanout": "fanout", "hub": "hub", "dense ring": "dense"}
+
+
+def _seconds(run: dict[str, Any] | None) -> float | None:
+    return None if run is None else run.get("seconds_to_target")
+
+
+def _rows(out: Path, run: dict[str, Any]) -> list[dict[str, Any]]:
+    from fedring.bench.lab_grid import Cell, parse_model
+
+    slug = Cell(run["agents"], run["bandwidth_mbps"], run["delay_ms"],
+                parse_model(run["model"])).slug  # fmt: skip
+    path = out / f"n{run['agents']}" / slug / run["method"] / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [float(r[key]) for r in rows[2:] if isinstance(r.get(key), int | float)]
+    return statistics.median(values) if values else None
+
+
+def comm_share(out: Path, runs: dict[str, dict[str, Any]]) -> float | None:
+    """The dense ring's communication share of its round (module docstring)."""
+    dense = runs.get("dense")
+    if dense is None:
+        return None
+    rows = _rows(out, dense)
+    comm, step = _median(rows, "comm_s"), _median(rows, "step_s")
+    if comm is not None and step:
+        return min(1.0, comm / step)
+    compute = _median(_rows(out, runs["auto-codec"]), "compute_s") if "auto-codec" in runs else None
+    if compute is None or not dense.get("round_ms"):
+        return None
+    return max(0.0, 1.0 - compute * 1e3 / float(dense["round_ms"]))
+
+
+def noise(doc: dict[str, Any]) -> list[float]:
+    """|time ratio - 1| of every auto run that ran a fixed method's plan all through."""
+    out = []
+    for _, runs in cells(doc):
+        for auto in ("auto", "auto-codec"):
+            run = runs.get(auto)
+            same = SAME_PLAN.get(str(run.get("collective"))) if run else None
+            if auto == "auto" and run and run.get("collective") in FIXED[:3]:
+                same = run["collective"]  # collective-only auto runs group-top-k
+            a, b = _seconds(run), _seconds(runs.get(same or ""))
+            if a and b:
+                out.append(abs(a / b - 1.0))
+    return out
+
+
+def _ratio(mine: float | None, other: float | None, cap: float) -> tuple[str, float | None]:
+    """mine / other as text and number; a bound where one side was capped."""
+    if mine and other:
+        return f"{mine / other:.2f}", mine / other
+    if mine and other is None:
+        return f"< {mine / cap:.2f}", mine / cap
+    if other and mine is None:
+        return f"> {cap / other:.2f}", None
+    return "–", None
+
+
+def verdict(doc: dict[str, Any], out: Path) -> str:
+    """The Markdown table and the noise line (module docstring)."""
+    spread = noise(doc)
+    tol = statistics.median(spread) if spread else 0.0
+    lines = [
+        "| N | model | Mbit/s | delay ms | auto (codec too) s | chose | ÷ best fixed | "
+        "÷ fastest peer | dense comm | least × over a peer | verdict |",
+        "|" + "---|" * 11,
+    ]
+    held = total = 0
+    for (n, bw, delay, model), runs in cells(doc):
+        mine = runs.get("auto-codec")
+        if mine is None:
+            continue
+        total += 1
+        cap = float(mine["cap_s"])
+        t = _seconds(mine)
+        fixed = {m: _seconds(runs.get(m)) for m in FIXED if m in runs}
+        peers = {m: _seconds(runs.get(m)) for m in PEERS if m in runs}
+        best_f = min((v for v in fixed.values() if v), default=None)
+        best_p = min((v for v in peers.values() if v), default=None)
+        name_f = next((m for m, v in fixed.items() if v == best_f), "")
+        name_p = next((m for m, v in peers.items() if v == best_p), "")
+        text_f, r_f = _ratio(t, best_f, cap)
+        text_p, r_p = _ratio(t, best_p, cap)
+        share = comm_share(out, runs)
+        worst = min(((p or cap) / t for p in peers.values()), default=None) if t else None
+        ok = t is not None and (r_f is None or r_f <= 1.05) and (r_p is None or r_p <= 1 + tol)
+        if share is not None and share >= COMM_BOUND:
+            ok = ok and worst is not None and worst >= 5.0
+        held += ok
+        lines.append("| " + " | ".join([
+            str(n), model, f"{bw:g}", f"{delay:g}",
+            f"{t:.1f}" if t else f"> {cap:g} ({mine['best_accuracy']:.3f})",
+            str(mine.get("collective") or "–"),
+            f"{text_f} ({name_f})" if name_f else text_f,
+            f"{text_p} ({name_p})" if name_p else text_p,
+            "–" if share is None else f"{share:.2f}",
+            "–" if worst is None else f"{'≥ ' if None in peers.values() else ''}{worst:.1f}",
+            "held" if ok else "not held",
+        ]) + " |")  # fmt: skip
+    if spread:
+        lines += ["", f"Noise: {len(spread)} pairs of runs of the same plan; |ratio - 1| "
+                  f"median {tol:.2f} (the tolerance of ÷ fastest peer), largest "
+                  f"{max(spread):.2f}. Held in {held} of {total} cells."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Issue 29's verdict on a grid directory.")
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    doc = json.loads((args.out / "grid.json").read_text())
+    print(verdict(doc, args.out))
+
+
+if __name__ == "__main__":
+    main()
