@@ -7,6 +7,7 @@ import contextlib
 import queue
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -21,6 +22,7 @@ from tests.mqtt.conftest import MISSING
 
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING or "mosquitto present")
 COORD = topics.COORDINATOR
+ACL = Path(__file__).resolve().parents[2] / "examples" / "mosquitto.acl"
 
 
 @pytest.fixture
@@ -149,3 +151,21 @@ def test_a_bad_peer_id_is_a_topic_error_naming_it(broker: Mosquitto) -> None:
         a.watch_peers(["x/#"])
     with pytest.raises(ValueError, match="statuses='some'"):
         MqttLink(BrokerConfig.parse(broker.url), "a", statuses="some")  # type: ignore[arg-type]
+
+
+def test_an_agent_watches_its_peers_under_the_example_acl(tmp_path: Path) -> None:
+    """One subscription per status topic: the ACL's ``read agents/+/status`` allows each."""
+    users = {COORD: "pw-c", "a1": "pw-1", "a2": "pw-2"}
+    with Mosquitto(users=users, acl=ACL, workdir=tmp_path / "acl") as broker:
+
+        def cfg(user: str) -> BrokerConfig:
+            return BrokerConfig.parse(broker.url, username=user, password=users[user])
+
+        coord = MqttLink(cfg(COORD), COORD, control_from=("*",), listen_hellos=True).connect()
+        a1 = MqttLink(cfg("a1"), "a1", statuses="peers").connect()
+        a2 = MqttLink(cfg("a2"), "a2", statuses="peers").connect()
+        with _links(a1, a2, coord):
+            a1.watch_peers(["a2"])
+            _until("a1 never saw a2 and the coordinator", lambda: a1.peers() == {COORD, "a2"})
+            a2.kill()
+            _until("a1 never lost a2", lambda: a1.peers() == {COORD}, 10)
