@@ -122,8 +122,10 @@ class Router:
         if agent is not None:
             who, leaf = agent
             if leaf == "status":
-                if self.statuses.hears(who):  # else dropped from our watch: in flight
+                if self.statuses.hears(who):
                     self._status(who, payload, retained)
+                else:  # dropped from our watch while in flight (a steady count: a bug)
+                    self.counters.add("status_unwatched")
             elif leaf == "hello" and payload:
                 self.inboxes.offer(self.inboxes.control, Control("hello", who, payload), topic)
             elif leaf == "probe" and who == self.me:

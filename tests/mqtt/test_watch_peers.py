@@ -93,6 +93,7 @@ def test_an_agent_hears_the_coordinator_and_its_peers_not_the_fleet(broker: Mosq
         assert a.peers() == {COORD}  # b is online, but in no job with a
         a.watch_peers(["b", "a"])  # a ring of two: its own id is skipped
         _until("a never saw b once watched", lambda: "b" in a.peers())
+        before = a.counters.get("status_unwatched")  # b's status queued in the old session
         c = MqttLink(cfg, "c").connect()
         c.close()
         seen: set[str] = set()
@@ -101,10 +102,36 @@ def test_an_agent_hears_the_coordinator_and_its_peers_not_the_fleet(broker: Mosq
                                                              coord.peers()))  # fmt: skip
         assert a.peers() == {COORD, "b"}
         assert _heard(a) <= {COORD}  # b's arrival on watch is no news; c never reached it
+        assert a.counters.get("status_unwatched") == before  # the stale wildcard was dropped
         a.watch_peers([])
         assert a.peers() == {COORD}  # b is forgotten, without an event
         b.kill()
         assert [e for e in _events(a, 1.0) if e.name == "b"] == []
+        assert a.counters.get("status_unwatched") <= 1  # b's will, if already on its way
+
+
+def test_a_peer_dropped_while_the_broker_is_away_is_not_heard_after_it(
+    broker: Mosquitto,
+) -> None:
+    """The unsubscribe could not go out: our persistent session keeps b's topic at the
+    broker until the reconnect drops it."""
+    cfg = BrokerConfig.parse(broker.url)
+    a = MqttLink(cfg, "a", statuses="peers").connect()
+    b, spy = MqttLink(cfg, "b").connect(), MqttLink(cfg, "spy").connect()
+    with _links(a, b, spy):
+        a.watch_peers(["b"])
+        _until("a never saw b", lambda: "b" in a.peers())
+        broker.stop()
+        _until("a never saw the broker go", lambda: not a._conn.connected.is_set())
+        a.watch_peers([])
+        broker.start()
+        _until("the links did not reconnect", lambda: min(
+            link.counters.get("mqtt_reconnect") for link in (a, b, spy)) >= 1, 20)  # fmt: skip
+        _until("spy never saw b back", lambda: "b" in spy.peers())
+        before = a.counters.get("status_unwatched")  # b's "online" may have beaten a's drop
+        b.close()  # a goodbye the broker would hand a, had it kept b's topic
+        _until("spy never saw b leave", lambda: "b" not in spy.peers())
+        assert a.counters.get("status_unwatched") == before and a.peers() == set()
 
 
 def test_a_watched_peer_killed_is_lost_within_one_and_a_half_keepalives(
