@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fedring.compression.group_topk import GroupTopK
+from fedring.compression.model_patch import ModelPatch
 from fedring.compression.payload import Compressor, PayloadError, PayloadReason
 from fedring.compression.quantize import (
     DenseChunk,
@@ -33,6 +34,7 @@ _PAYLOAD_TYPES: tuple[type[Any], ...] = (
     SparseGroups,
     GroupSparse,
     GroupIndices,
+    ModelPatch,
 )
 PAYLOADS: Mapping[str, type[Any]] = {cls.codec_id: cls for cls in _PAYLOAD_TYPES}
 

@@ -90,8 +90,11 @@ each member's compressed delta as it comes, weights it by ``1 / (1 + staleness)
 ** power`` (staleness: versions applied since that member last pulled), applies
 once `wait` deltas are in (soft synchronisation), and answers every delta with
 the current model at once, so a slow member never holds up the others and a lost
-one is only dropped. When the last version is applied each member's next delta
-is answered with ``phase="end"`` and the final model.
+one is only dropped. The answer is a patch against the model that member last
+received where that is smaller (`engine.async_reply`: the entries changed since,
+exact, with the model's sha256), else the model whole. When the last version is
+applied each member's next delta is answered with ``phase="end"`` and the final
+model, whole.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ from fedring.compression.payload import Payload, PayloadLimits
 from fedring.compression.quantize import DenseChunk, DenseCodec
 from fedring.compression.sparse import GroupSparse, n_groups
 from fedring.compression.support import GroupIndices, choose_support, scatter
+from fedring.engine.async_reply import AsyncBase, AsyncReplies
 from fedring.engine.local import LocalWork
 from fedring.engine.participation import sampled
 from fedring.engine.star import STAR, Centre
@@ -270,6 +274,7 @@ class AsyncSettings:
     staleness_power: float = 0.5  # a delta's weight: 1 / (1 + staleness) ** power
     aggregation: str = "mean"  # mean | median | trimmed:B | clip over one application's deltas
     timeout_s: float = 60.0  # no delta from any member for this long ends the service
+    patch_replies: bool = True  # a patch against the member's last model where smaller
 
 
 @dataclass
@@ -299,33 +304,38 @@ def serve_async(
     limits = PayloadLimits(max_numel=state.model.numel())
     buffer: list[torch.Tensor] = []
     ended: set[str] = set()
+    replies = AsyncReplies(state.model, state.version, patches=settings.patch_replies,
+                           counters=channel.counters)  # fmt: skip
 
     def lost(member: str) -> None:
         alive.discard(member)
         state.lost.append(member)
 
     while alive - ended:
-        (src, rnd, _step, _phase), delta = channel.recv_any(
-            alive - ended, phases=("up",), deadline=Deadline.after(settings.timeout_s),
+        (src, rnd, _step, phase), delta = channel.recv_any(
+            alive - ended, phases=("up", "again"), deadline=Deadline.after(settings.timeout_s),
             limits=limits, on_lost=lost,
         )  # fmt: skip
+        again = phase == "again"  # the member could not apply its patch: the model whole
         done = state.stop or state.version >= settings.rounds
-        if not done:
+        if not done and not again:
             staleness = state.version - pulled[src]
             state.staleness[staleness] = state.staleness.get(staleness, 0) + 1
             buffer.append(delta.decompress() / (1.0 + staleness) ** settings.staleness_power)
             if len(buffer) >= settings.wait:
                 stacked = torch.stack(buffer)
                 update = combine(stacked, rule) if rule.robust else stacked.mean(dim=0)
-                state.model = state.model + update
+                old, state.model = state.model, state.model + update
                 state.version += 1
+                replies.applied(old, state.model, state.version)
                 buffer.clear()
                 if on_version is not None:
                     on_version(state, src)
             done = state.stop or state.version >= settings.rounds
-        phase = "end" if done else "down"
-        channel.send(src, DenseCodec("fp32").compress(state.model), round=rnd, step=0,
-                     phase=phase, deadline=Deadline.after(settings.timeout_s))  # fmt: skip
+        # the last reply is whole: a member that ends holds exactly the final model
+        reply = replies.reply(src, state.model, state.version, dense=done or again)
+        channel.send(src, reply, round=rnd, step=0, phase="end" if done else "down",
+                     deadline=Deadline.after(settings.timeout_s))  # fmt: skip
         pulled[src] = state.version
         if done:
             ended.add(src)
@@ -347,6 +357,7 @@ def run_async_member(
     its compute): how a slow board is emulated on one machine.
     """
     limits = PayloadLimits(max_numel=work.params.numel())
+    base = AsyncBase(centre.channel.counters)
     cycle = 0
     while True:
         if before is not None:
@@ -359,12 +370,29 @@ def run_async_member(
         deadline = Deadline.after(timeout_s)
         centre.channel.send(centre.name, compress(work.params - anchor), round=cycle, step=0,
                             phase="up", deadline=deadline)  # fmt: skip
-        (_src, _rnd, _step, phase), model = centre.channel.recv_any(
-            (centre.name,), phases=("down", "end"), deadline=deadline, limits=limits
-        )
-        work.set_params(model.decompress())
+        phase, params = _pull(centre, base, cycle, deadline, limits)
+        work.set_params(params)
         cycle += 1
         if on_cycle is not None:
             on_cycle(cycle, {"loss": sum(losses) / max(len(losses), 1)})
         if phase == "end":
             return cycle
+
+
+def _pull(
+    centre: Centre, base: AsyncBase, cycle: int, deadline: Deadline, limits: PayloadLimits
+) -> tuple[str, torch.Tensor]:
+    """The centre's reply to this cycle's delta: its phase and the model to train on.
+    A patch that cannot be applied here is answered by asking again: the centre then
+    sends the model whole (`async_reply`)."""
+    for ask in range(2):
+        if ask:
+            centre.channel.send(centre.name, DenseChunk(limits.max_numel, 0, torch.empty(0)),
+                                round=cycle, step=0, phase="again", deadline=deadline)  # fmt: skip
+        (_src, _rnd, _step, phase), reply = centre.channel.recv_any(
+            (centre.name,), phases=("down", "end"), deadline=deadline, limits=limits
+        )
+        params = base.take(reply)
+        if params is not None:
+            return phase, params
+    raise CollectiveError(f"{centre.channel.name!r}: the centre's whole model was refused")

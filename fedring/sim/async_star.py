@@ -29,9 +29,9 @@ from fedring.collective.channel import PeerChannel
 from fedring.compression.error_feedback import ErrorFeedback
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import PayloadLimits
-from fedring.compression.quantize import DenseCodec
 from fedring.config import JobSpec
 from fedring.counters import Counters
+from fedring.engine.async_reply import AsyncBase, AsyncReplies
 from fedring.engine.group import LOCAL_KEY
 from fedring.engine.local import LocalWork
 from fedring.engine.plan import Plan
@@ -66,6 +66,8 @@ def simulate_async(
     agg = Aggregation.parse(spec.aggregation)
     model = trainers[0].params
     version, pulled = 0, [0] * spec.agents
+    replies = AsyncReplies(model, version, counters=counters)
+    bases = [AsyncBase(counters) for _ in trainers]
     pace = build.speeds(spec)
     events = [(spec.local_steps * pace[r], r) for r in range(spec.agents)]
     heapq.heapify(events)
@@ -96,8 +98,9 @@ def simulate_async(
         if len(buffer) >= spec.async_wait:
             stacked = torch.stack([d * w for d, w in buffer])
             update = robust(stacked, agg) if agg.robust else stacked.mean(dim=0)
-            model = model + update
+            old, model = model, model + update
             version += 1
+            replies.applied(old, model, version)
             buffer.clear()
             rows.append(
                 {
@@ -119,19 +122,20 @@ def simulate_async(
                 rows[-1].update(evals[-1])
             if on_round is not None:
                 on_round(version - 1, rows[-1])
-        # the agent pulls the current model (a real frame) and starts its next H steps
-        centre.send(
-            f"agent-{rank}",
-            DenseCodec("fp32").compress(model),
-            round=version,
-            step=rank,
-            phase="down",
-            deadline=deadline,
-        )
-        fresh = agents[rank].recv(
-            CENTRE, round=version, step=rank, phase="down", deadline=deadline, limits=limits
-        )
-        trainer.set_params(fresh.decompress())
+        # the agent pulls the current model (a real frame: a patch against the one it
+        # last pulled where smaller, `engine.async_reply`) and starts its next H steps
+        for whole in (False, True):  # a patch the agent refuses: the model whole
+            centre.send(f"agent-{rank}", replies.reply(f"agent-{rank}", model, version,
+                                                       dense=whole),
+                        round=version, step=rank, phase="down", deadline=deadline)  # fmt: skip
+            fresh = agents[rank].recv(
+                CENTRE, round=version, step=rank, phase="down", deadline=deadline, limits=limits
+            )
+            params = bases[rank].take(fresh)
+            if params is not None:
+                break
+        assert params is not None  # a whole model is always taken
+        trainer.set_params(params)
         pulled[rank] = version
         heapq.heappush(events, (now + spec.local_steps * pace[rank], rank))
     for ch in agents:

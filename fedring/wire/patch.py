@@ -43,8 +43,17 @@ def encode_patch(old: np.ndarray, new: np.ndarray, *, lo: int) -> tuple[dict[str
     """The patch turning slice `old` into `new` (float32, same length), placed at `lo`."""
     if old.shape != new.shape or old.dtype != np.float32 or new.dtype != np.float32:
         raise ValueError(f"slices of {old.shape}/{old.dtype} and {new.shape}/{new.dtype}")
-    size = int(new.size)
     changed = np.flatnonzero(old.view(np.uint32) != new.view(np.uint32))  # bits, NaN too
+    return encode_changed(new, changed, lo=lo)
+
+
+def encode_changed(
+    new: np.ndarray, changed: np.ndarray, *, lo: int
+) -> tuple[dict[str, Any], bytes]:
+    """The patch writing `new` at `changed` (increasing indices into `new`, float32):
+    `encode_patch` where the caller already knows which entries moved (an asynchronous
+    centre, `engine.async_reply`)."""
+    size = int(new.size)
     n = len(changed)
     doc: dict[str, Any] = {"lo": lo, "hi": lo + size}
     counts = np.bincount(changed // GROUP, minlength=-(-size // GROUP))
