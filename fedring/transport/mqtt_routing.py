@@ -124,7 +124,7 @@ class Router:
             if leaf == "status":
                 if self.statuses.hears(who):
                     self._status(who, payload, retained)
-                else:  # dropped from our watch while in flight (a steady count: a bug)
+                else:  # dropped from our watch while in flight, or queued for an old session
                     self.counters.add("status_unwatched")
             elif leaf == "hello" and payload:
                 self.inboxes.offer(self.inboxes.control, Control("hello", who, payload), topic)
