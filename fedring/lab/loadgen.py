@@ -3,25 +3,29 @@
 `fedring coordinator run` cannot tell these agents from real ones at the protocol
 level: each has its own connection (`loadgen_mqtt.MqttConn`), retained presence with
 a will, beats, the coordinator's and its manifest's peers' statuses heard (issue 29),
-a retained hello (`wire.control` frame, its profile and link figures);
-it acknowledges its manifest once the checkpoint's model arrived, sends star and
-asynchronous updates of the job's size as sealed compact frames (`wire.compact`,
-a group-top-k payload of the manifest's numel, G, k and value dtype), sends the head's
-metrics rows, the checkpoint stream (the head's first dense upload, every other
-member's patch of its slice) and a ``bye`` with its model hash. No agent trains: each
-holds the same parameters, ``params(r)`` = every entry equal to r, so patches are as
-dense as a trained model's and every hash agrees.
+a retained hello (`wire.control` frame, its profile and link figures); it
+acknowledges its manifest once the checkpoint's model arrived, sends star and
+asynchronous updates of the job's size as sealed compact frames (`wire.compact`, a
+group-top-k payload of the manifest's numel, G, k and value dtype), runs a ring job's
+2(N-1) steps a round with its ring neighbours (`loadgen_ring`: each step's chunk out
+to the right, the left's checked in), sends the head's metrics rows, the checkpoint
+stream (the head's first dense upload, every other member's patch of its slice) and
+a ``bye`` with its model hash. No agent trains: each holds the same parameters,
+``params(r)`` = every entry equal to r, so patches are as dense as a trained model's
+and every hash agrees.
 
-What they do not do (see docs/benchmarks.md, "Fleet scale"): a ring job (members
-exchange chunks among themselves; its coordinator side is the same control traffic),
-the link probe (the hello announces `LoadSettings.link_bps`), consensus supports
-(robust rules), re-connecting, and decoding the centre's replies (they are checked
-and reassembled as frames, the payload is taken as opaque bytes).
+What they do not do (see docs/benchmarks.md, "Fleet scale"): a torus, fanout or hub
+ring, or a ring codec other than group-top-k ``bounded`` at a fixed k (refused with a
+``nack``, as a daemon refuses a job it cannot run), the link probe (the hello
+announces `LoadSettings.link_bps`), consensus supports (robust rules), re-connecting,
+and decoding the centre's replies (they are checked and reassembled as frames, the
+payload is taken as opaque bytes).
 
 `loadgen_fleet.LoadFleet` runs N of them in one event loop; `loadgen_run` runs one
-scenario against Mosquitto and a real coordinator. Why one module of about 400 lines:
+scenario against Mosquitto and a real coordinator. Why one module of about 500 lines:
 as the daemon's, an agent is one state machine (hello, manifest, model, rounds, bye)
-whose handlers share a few fields; the payloads it sends are in `loadgen_payloads`.
+whose handlers share a few fields; the payloads it sends are in `loadgen_payloads`,
+a ring's steps in `loadgen_ring`.
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fedring.engine.participation import sampled  # torch-free: the agents' own rule
 from fedring.lab.loadgen_mqtt import MqttConn
 from fedring.lab.loadgen_payloads import Params, star_payload
+from fedring.lab.loadgen_ring import RingPeer, RingShape
 from fedring.transport import topics
 from fedring.wire.chunks import Reassembler, split_payload
 from fedring.wire.compact import decode_compact, encode_compact
@@ -49,6 +55,7 @@ from fedring.wire.patch import encode_patch
 log = logging.getLogger(__name__)
 COORD = topics.COORDINATOR
 PRESENCE = ("peers", "all", "none")  # `LoadSettings.presence`
+Exchange = Callable[[int], Awaitable[dict[str, Any]]]  # a round's; its extra metrics
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class AgentTimes:
     manifests: int = 0
     refused: int = 0  # frames that did not decode
     statuses: int = 0  # other agents' statuses the broker handed us (issue 29)
+    refused_jobs: int = 0  # manifests answered "refused: ..."
 
 
 @dataclass
@@ -101,6 +109,7 @@ class Segment:
     parts: Reassembler = field(default_factory=Reassembler)
     task: asyncio.Task[None] | None = None
     committed: int = 0
+    ring: RingPeer | None = None  # a ring job's exchanges with its neighbours
 
     @property
     def channel_job(self) -> str:
@@ -201,7 +210,10 @@ class ProtocolAgent:
 
     def _on_message(self, topic: str, payload: bytes, retained: bool) -> None:
         box = topics.parse_inbox(topic)
-        if box is None or box[2] != COORD:
+        if box is not None and box[2] != COORD:
+            self._on_peer(box[0], box[2], payload)
+            return
+        if box is None:
             if topic.endswith("/status") and topic != topics.status(self.me):
                 self.times.statuses += 1
             return  # presence and probes: heard (the broker's fan-out), not read
@@ -228,6 +240,7 @@ class ProtocolAgent:
             self.seg.task.cancel()
         spec = doc["spec"]
         frame_bytes = int(doc.get("max_frame_bytes") or 0)
+        self.pending = None
         self.codec.key = bytes.fromhex(str(doc["key"]))
         seg = Segment(
             job=str(doc["job"]), epoch=int(doc["epoch"]), key=self.codec.key,
@@ -236,6 +249,16 @@ class ProtocolAgent:
             limits=FrameLimits(max_frame_bytes=frame_bytes) if frame_bytes else FrameLimits(),
         )  # fmt: skip
         seg.acked = seg.committed = seg.start
+        if not seg.asynchronous and spec.get("topology") != "star":
+            try:
+                shape = RingShape.from_manifest(self.me, seg.channel_job, doc, self.params.numel,
+                                                _k(spec))  # fmt: skip
+            except (KeyError, TypeError, ValueError) as exc:
+                self.times.refused_jobs += 1
+                log.error("%s refused the job: %s", self.me, exc)
+                self._send(seg, "nack", {"epoch": seg.epoch, "why": f"refused: {exc}"})
+                return
+            seg.ring = RingPeer(shape, seg.key, seg.limits)
         peers = doc.get("peers")
         self.watch({str(p) for p in peers.values()} if isinstance(peers, dict) else set())
         if self.seg is None or self.seg.job != seg.job:  # a new job: as `MqttLink.join`
@@ -253,13 +276,22 @@ class ProtocolAgent:
         self.params.numel = self.params.numel or len(msg.blob) // 4
         self._begin(seg)
 
+    def _on_peer(self, job: str, src: str, data: bytes) -> None:
+        """A ring frame from another agent: the newest manifest's ring takes it."""
+        seg = self.pending or self.seg
+        if seg is not None and seg.ring is not None and job == seg.job:
+            seg.ring.take(src, data)
+
     def _begin(self, seg: Segment) -> None:
         self.pending, self.seg = None, seg
+        if seg.ring is not None:
+            seg.ring.set_numel(self.params.numel)
         self._send(seg, "ack", {"epoch": seg.epoch, "start_round": seg.start, "step_s": 0.01,
                                 "numel": self.params.numel})  # fmt: skip
         if not self.times.ack:
             self.times.ack = time.monotonic()
-        body = self._async_member if seg.asynchronous else self._star_member
+        body = (self._async_member if seg.asynchronous
+                else self._ring_member if seg.ring is not None else self._star_member)  # fmt: skip
         seg.task = asyncio.create_task(self._guard(seg, body(seg)))
 
     def _on_ack(self, msg: ControlMessage) -> None:
@@ -310,23 +342,50 @@ class ProtocolAgent:
                                      "why": f"error: {exc}"})  # fmt: skip
 
     async def _star_member(self, seg: Segment) -> None:
-        spec = seg.spec
-        rounds, every = int(spec["rounds"]), int(spec.get("checkpoint_every", 1))
-        eval_every, timeout = int(spec.get("eval_every", 10)), float(spec.get("timeout_s", 60))
-        up = self._up_payload(seg)
-        uploaded, base = seg.start, -1
-        for r in range(seg.start, rounds):
-            if seg.head:
-                await self._gate(seg, r - r % every, timeout * 3)
+        spec, up = seg.spec, self._up_payload(seg)
+        timeout = float(spec.get("timeout_s", 60))
+
+        async def exchange(r: int) -> dict[str, Any]:
             if seg.rank in sampled(int(spec.get("seed", 0)), r, seg.world,
                                    float(spec.get("sample", 1.0))):  # fmt: skip
                 self._send_up(seg, up, r)
             await self._reply(seg, r, ("down",), timeout)
+            return {}
+
+        await self._sync_rounds(seg, exchange)
+
+    async def _ring_member(self, seg: Segment) -> None:
+        ring, timeout = seg.ring, float(seg.spec.get("timeout_s", 60))
+        assert ring is not None
+
+        def publish(dst: str, data: bytes) -> None:
+            self.conn.publish(topics.inbox(seg.job, dst, self.me), data)
+
+        async def exchange(r: int) -> dict[str, Any]:
+            comm = await ring.run_round(publish, r, timeout)
+            # The keys of a real ring member's row (`engine.loop._round`); no training here.
+            return {"grad_norm": 0.0, "interval": 1, "compression_error": 0.0,
+                    "residual_norm": 0.0, "bytes_sent": ring.stats.bytes_sent,
+                    "compute_s": 0.0, "comm_s": comm, "step_s": comm}  # fmt: skip
+
+        await self._sync_rounds(seg, exchange)
+
+    async def _sync_rounds(self, seg: Segment, exchange: Exchange) -> None:
+        """A synchronous job's rounds around `exchange` (a star's or a ring's): the
+        head's checkpoint gate, the checkpoint stream, the metrics rows, the bye."""
+        spec = seg.spec
+        rounds, every = int(spec["rounds"]), int(spec.get("checkpoint_every", 1))
+        eval_every, timeout = int(spec.get("eval_every", 10)), float(spec.get("timeout_s", 60))
+        uploaded, base = seg.start, -1
+        for r in range(seg.start, rounds):
+            if seg.head:
+                await self._gate(seg, r - r % every, timeout * 3)
+            row = await exchange(r)
             seg.committed, self.times.rounds = r + 1, self.times.rounds + 1
             if (r + 1) % every == 0:
                 base = self._checkpoint(seg, r + 1, base)
                 uploaded = r + 1
-            self._metrics(seg, r + 1, eval_every, rounds)
+            self._metrics(seg, r + 1, eval_every, rounds, row)
         if uploaded != seg.committed:
             self._checkpoint(seg, seg.committed, base)
         if seg.head:
@@ -349,8 +408,7 @@ class ProtocolAgent:
     def _up_payload(self, seg: Segment) -> tuple[dict[str, Any], bytes]:
         spec = seg.spec
         g = int(spec.get("group_size", 256))
-        k = min(g, max(1, round(float(spec.get("density", 0.01)) * g)))
-        return star_payload(self.params.numel, g, k, str(spec.get("value_dtype", "fp16")))
+        return star_payload(self.params.numel, g, _k(spec), str(spec.get("value_dtype", "fp16")))
 
     def _send_up(self, seg: Segment, up: tuple[dict[str, Any], bytes], r: int) -> None:
         meta, body = up
@@ -403,22 +461,26 @@ class ProtocolAgent:
         doc = {"round": r, "sha256": self.params.sha256(r), "epoch": seg.epoch}
         self._send(seg, "model", doc, self.params.at(r).tobytes(), round=r)
 
-    def _metrics(self, seg: Segment, rnd: int, eval_every: int, rounds: int) -> None:
+    def _metrics(self, seg: Segment, rnd: int, eval_every: int, rounds: int,
+                 extra: dict[str, Any]) -> None:  # fmt: skip
         evaluated = rnd % eval_every == 0 or rnd == rounds
         if not (seg.head or evaluated):
             return
         row: dict[str, Any] = {"round": rnd, "loss": 0.0, "lr": 0.0, "bytes_sent":
-                               self.conn.bytes_sent, "machine": self.settings.machine,
+                               self.conn.bytes_sent, **extra, "machine": self.settings.machine,
                                "epoch": seg.epoch}  # fmt: skip
         if evaluated:
             row.update(accuracy=0.0, test_loss=0.0, sha256=self.params.sha256(rnd))
+            if seg.ring is not None:
+                row.update(verdict="ok", samples=0)
         [frame] = self.codec.encode("metrics", seg.job, COORD, row)
         self.conn.publish(topics.metrics(seg.job, self.me), frame)
 
     def _bye(self, seg: Segment, rounds: int, sha256: str = "") -> None:
         self._send(seg, "bye", {"rounds": rounds, "accuracy": 0.0, "test_loss": 0.0,
                                 "sha256": sha256 or self.params.sha256(rounds), "rollbacks": 0,
-                                "epoch": seg.epoch, "ring_bytes_sent": 0,
+                                "epoch": seg.epoch, "ring_bytes_sent":
+                                seg.ring.stats.bytes_sent if seg.ring is not None else 0,
                                 "link_bytes_sent": self.conn.bytes_sent,
                                 "checkpoint_bytes_sent": 0, "counters": {},
                                 "threads": 1})  # fmt: skip
@@ -427,3 +489,9 @@ class ProtocolAgent:
               round: int = 0) -> None:  # fmt: skip
         for frame in self.codec.encode(kind, seg.job, COORD, doc, blob, round=round):
             self.conn.publish(topics.inbox(seg.job, COORD, self.me), frame)
+
+
+def _k(spec: dict[str, Any]) -> int:
+    """Entries kept a group: the job's k (`JobSpec.k`)."""
+    g = int(spec.get("group_size", 256))
+    return min(g, max(1, round(float(spec.get("density", 0.01)) * g)))

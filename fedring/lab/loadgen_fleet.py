@@ -24,6 +24,7 @@ from typing import Any
 
 from fedring.lab.loadgen import LoadSettings, ProtocolAgent
 from fedring.lab.loadgen_payloads import Params
+from fedring.lab.loadgen_ring import RingStats
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class LoadFleet:
             "finished": sum(1 for a in self.agents if a.finished.is_set()),
             "rounds_max": max(t.rounds for t in times),
             "refused_frames": sum(t.refused for t in times)
+            + sum(r.refused for r in self._rings())
             + sum(
                 v
                 for a in self.agents
@@ -118,7 +120,26 @@ class LoadFleet:
                 if k.startswith("frame_")
             ),
             "statuses_heard": sum(t.statuses for t in times),  # N² with every agent's
+            "refused_jobs": sum(t.refused_jobs for t in times),
+            **self._ring_report(),
             "bytes_sent": sum(a.conn.bytes_sent for a in self.agents),
             "bytes_received": sum(a.conn.bytes_received for a in self.agents),
             "numel": self.params.numel,
+        }
+
+    def _rings(self) -> list[RingStats]:
+        return [a.seg.ring.stats for a in self.agents if a.seg is not None and a.seg.ring]
+
+    def _ring_report(self) -> dict[str, Any]:
+        """A ring job's exchanges between the agents (none in other jobs)."""
+        rings = self._rings()
+        if not rings:
+            return {}
+        return {
+            "ring_frames_sent": sum(r.frames_sent for r in rings),
+            "ring_bytes_sent": sum(r.bytes_sent for r in rings),  # encoded frames
+            "ring_body_bytes_sent": sum(r.body_bytes_sent for r in rings),
+            "ring_duplicates": sum(r.duplicates for r in rings),
+            "ring_steps": [r.steps for r in rings],
+            "ring_step_bodies": [r.step_bodies for r in rings],  # each agent's first round
         }

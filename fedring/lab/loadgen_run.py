@@ -10,7 +10,9 @@ costed apart. Everything started is stopped by PID, on failure too.
 
 Scenarios (`SCENARIOS`): ``star`` (every agent sends each round), ``sampling`` (a
 star where 10 % send each round; all get the reply), ``async`` (each agent's delta
-answered at once with the model; versions stand for rounds, about two per agent).
+answered at once with the model; versions stand for rounds, about two per agent),
+``ring`` (a flat ring: 2(N-1) chunk exchanges between neighbours a round, which the
+coordinator never sees; it gets the head's row each round and the checkpoint stream).
 """
 
 from __future__ import annotations
@@ -30,17 +32,19 @@ from fedring.lab.loadgen_mqtt import MqttConn
 from fedring.transport import topics
 from fedring.transport.mosquitto import Mosquitto
 
-SCENARIOS = ("star", "sampling", "async")
+SCENARIOS = ("star", "sampling", "async", "ring")
 DATASET, MODEL = "synthetic:20000:32:4", "mlp"  # 12,740 parameters
 
 
 def job_toml(mode: str, n: int, rounds: int) -> str:
-    """The scenario's job: `rounds` star rounds, or (async) about 2 versions an agent."""
+    """The scenario's job: `rounds` star or ring rounds, or (async) about 2 versions an
+    agent."""
     if mode not in SCENARIOS:
         raise ValueError(f"scenario {mode!r} must be one of {SCENARIOS}")
+    topology = "ring" if mode == "ring" else "star"
     lines = [
         "[job]", f"agents = {n}", f'dataset = "{DATASET}"', f'model = "{MODEL}"',
-        'topology = "star"', "density = 0.01", "density_warmup = 0", 'init = "sent"',
+        f'topology = "{topology}"', "density = 0.01", "density_warmup = 0", 'init = "sent"',
         "seed = 0", "timeout_s = 120.0",
     ]  # fmt: skip
     if mode == "async":

@@ -11,8 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from fedring.collective.payloads import decode_payload
+from fedring.collective.channel import PeerChannel
+from fedring.collective.payloads import decode_payload, encode_payload
+from fedring.collective.ring import Ring
+from fedring.collective.ring import chunk_bounds as ring_chunk_bounds
+from fedring.compression.group_topk import GroupTopK
 from fedring.compression.payload import PayloadLimits
+from fedring.compression.sparse import SparseGroups
 from fedring.coordinator.replica import Replica
 from fedring.lab.loadgen import LoadSettings, ProtocolAgent, Segment
 from fedring.lab.loadgen_mqtt import (
@@ -23,9 +28,11 @@ from fedring.lab.loadgen_mqtt import (
     publish_packet,
     remaining_length,
 )
-from fedring.lab.loadgen_payloads import Params, star_payload
+from fedring.lab.loadgen_payloads import Params, chunk_bounds, star_payload
 from fedring.lab.loadgen_report import fit, fits, table
+from fedring.lab.loadgen_ring import RingPeer, RingShape
 from fedring.training.models import flat_sha256
+from fedring.transport.base import Deadline, Delivery, LinkStats, TransportTimeout
 from fedring.transport.mosquitto import MosquittoMissing, mosquitto_binary
 from fedring.wire.control import ControlCodec
 from fedring.wire.frame import FrameLimits
@@ -142,6 +149,97 @@ def test_checkpoint_patches_rebuild_the_model_in_the_coordinators_replica() -> N
     assert flat_sha256(taken.params) == params.sha256(2)
 
 
+# -- a ring's chunks -------------------------------------------------------------------
+
+RING = [f"a{i}" for i in range(5)]
+NUMEL, G, K = 1001, 64, 3  # 16 groups over 5 members: chunks of 3 and 4 groups
+KEY = b"r" * 32
+
+
+def _shape(rank: int, k: int = K) -> RingShape:
+    n = len(RING)
+    return RingShape("job1.e0", RING[rank], rank, n, RING[(rank - 1) % n], RING[(rank + 1) % n],
+                     NUMEL, G, k, "fp16")  # fmt: skip
+
+
+class _Stub:
+    """A real member's endpoint: frames handed in, frames sent kept."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.stats = name, LinkStats()
+        self.inbox: list[Delivery] = []
+        self.sent: list[tuple[str, bytes]] = []
+
+    def send(self, dst: str, data: bytes, deadline: Deadline) -> None:
+        self.sent.append((dst, data))
+
+    def recv(self, deadline: Deadline) -> Delivery:
+        if not self.inbox:
+            raise TransportTimeout("nothing queued")
+        return self.inbox.pop(0)
+
+    def peers(self) -> frozenset[str]:
+        return frozenset(RING)
+
+
+def test_chunk_bounds_are_the_rings() -> None:
+    for units, world in [(16, 5), (50, 100), (7, 7), (1, 3)]:
+        assert chunk_bounds(units, world) == ring_chunk_bounds(units, world)
+
+
+def test_a_real_ring_member_takes_protocol_chunks_and_sends_chunks_of_their_size() -> None:
+    """Member a2 runs the real `Ring.exchange` between protocol peers a1 (its left) and
+    a3 (its right): it accepts a1's frames at every step of both phases, and its own
+    frames are a3's expected chunks, byte for byte the size a protocol agent sends."""
+    stub = _Stub("a2")
+    ring = Ring(PeerChannel(stub, "job1.e0", key=KEY), tuple(RING), timeout_s=1.0)  # type: ignore[arg-type]
+    left, me, right = (RingPeer(_shape(r), KEY, FrameLimits()) for r in (1, 2, 3))
+    bounds = ring_chunk_bounds(-(-NUMEL // G), len(RING))
+    x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
+    for phase in ("rs", "ag"):
+        for step in range(len(RING) - 1):
+            stub.inbox += [Delivery("a1", f) for f in left.frames(0, step, phase)]
+            sent_c, recv_c = RingPeer.plan(2, len(RING), step, phase)
+            mine = GroupTopK(G, K, "fp16").compress(x, groups=bounds[sent_c])
+            got = ring.exchange(mine, round=0, step=step, phase=phase, expect=SparseGroups,
+                                span=bounds[recv_c])  # fmt: skip
+            assert isinstance(got, SparseGroups)
+            assert (got.group_start, got.group_start + got.n) == bounds[recv_c]
+            frames = [data for _, data in stub.sent]
+            stub.sent.clear()
+            assert [len(f) for f in frames] == [len(f) for f in me.frames(0, step, phase)]
+            assert len(encode_payload(mine)[1]) == me.stats.step_bodies[-1]
+            for data in frames:
+                right.take("a2", data)
+            assert right.stats.refused == 0 and right.stats.frames_received == step + 1 + (
+                len(RING) - 1 if phase == "ag" else 0)  # fmt: skip
+    assert ring.channel.counters.snapshot() == {}  # nothing refused, nothing stashed away
+
+
+def test_a_ring_peer_refuses_what_its_left_neighbour_would_not_send() -> None:
+    right = RingPeer(_shape(3), KEY, FrameLimits())
+    right.take("a2", RingPeer(_shape(2, k=4), KEY, FrameLimits()).frames(0, 0, "rs")[0])
+    right.take("a1", RingPeer(_shape(1), KEY, FrameLimits()).frames(0, 0, "rs")[0])
+    right.take("a2", b"\x03junk")
+    good = RingPeer(_shape(2), KEY, FrameLimits())
+    right.take("a2", good.frames(0, 0, "ag")[0])  # seq 0 again: a repeat, dropped
+    right.take("a2", good.frames(5, 0, "rs")[0])  # a round far ahead
+    assert right.stats.refused == 4 and right.stats.duplicates == 1
+    right.take("a2", good.frames(0, 0, "rs")[0])
+    assert right.stats.refused == 4 and right.stats.frames_received == 1
+
+
+def test_a_ring_the_generator_cannot_replay_is_refused_by_name() -> None:
+    doc = {"rank": 1, "world": 5, "peers": {"0": "a0", "1": "a1", "2": "a2"},
+           "spec": {"policy": "bounded"}, "collective": "ring"}  # fmt: skip
+    assert RingShape.from_manifest("a1", "j.e0", doc, 10, 3).left == "a0"
+    with pytest.raises(ValueError, match="policy='exact'"):
+        RingShape.from_manifest("a1", "j.e0", {**doc, "spec": {"policy": "exact"}}, 10, 3)
+    with pytest.raises(ValueError, match=r"peers \[4\] beyond"):
+        RingShape.from_manifest("a1", "j.e0", {**doc, "peers": {**doc["peers"], "4": "a4"}},
+                                10, 3)  # fmt: skip
+
+
 def test_fit_tells_quadratic_from_linear() -> None:
     ns = [30, 100, 300, 1000]
     assert fit(ns, [0.5 + 0.01 * n for n in ns]).quadratic_share(1000) < 0.01
@@ -183,6 +281,36 @@ def test_protocol_agents_run_a_real_coordinators_job(tmp_path: Path, mode: str, 
     else:
         assert summary["layout"] == "async star" and summary["centre_rounds"] == 2 * n
     assert row["coordinator_rss_mb"] > 50 and row["coordinator_cpu_rounds_s"] >= 0
+
+
+@pytest.mark.skipif(bool(MISSING), reason=MISSING or "mosquitto present")
+def test_protocol_agents_run_a_real_coordinators_ring_job(tmp_path: Path) -> None:
+    """Six agents, three rounds of a flat ring: 2(N-1) steps a round between neighbours,
+    each chunk the size a real member's is; the coordinator sees a ring of daemons."""
+    from fedring.lab.loadgen_run import run_scenario
+
+    n, rounds = 6, 3
+    row = run_scenario("ring", n, rounds, tmp_path, timeout_s=60.0)
+    loadgen, summary = row["loadgen"], row["summary"]
+    assert loadgen["finished"] == loadgen["acked"] == n and loadgen["refused_jobs"] == 0
+    assert loadgen["refused_frames"] == loadgen["ring_duplicates"] == 0
+    assert summary["layout"] == f"ring of {n}" and summary["rounds"] == rounds
+    assert summary["reformations"] == 0
+    counters = summary["counters"]
+    assert not {"hash_mismatch", "checkpoint_not_final", "stash_evicted"} & set(counters), counters
+    assert loadgen["ring_steps"] == [rounds * 2 * (n - 1)] * n
+    assert loadgen["ring_frames_sent"] == n * rounds * 2 * (n - 1)  # no chunk is split
+    # Each rank's chunk bodies, step by step, as a real member's payloads of those groups.
+    numel, g = loadgen["numel"], 256
+    k = round(0.01 * g)
+    bounds = ring_chunk_bounds(-(-numel // g), n)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    expected = [tuple(len(encode_payload(GroupTopK(g, k, "fp16").compress(
+                    x, groups=bounds[RingPeer.plan(rank, n, step, phase)[0]]))[1])
+                      for phase in ("rs", "ag") for step in range(n - 1))
+                for rank in range(n)]  # fmt: skip
+    assert sorted(map(tuple, loadgen["ring_step_bodies"])) == sorted(expected)
+    assert loadgen["ring_body_bytes_sent"] == rounds * sum(map(sum, expected))
 
 
 def test_a_fleet_refuses_no_agents() -> None:
