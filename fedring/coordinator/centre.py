@@ -9,7 +9,9 @@ control messages; each epoch runs the centre on a thread of its own, over a
 channel named like the agents' (``JOB.eN``) and signed with the job's key.
 
 An asynchronous job's centre holds the model (`engine.centre.serve_async`): each
-delta is applied with its staleness weight as it comes, a slow or lost agent
+delta is applied with its staleness weight as it comes and answered with a patch
+against the model that agent last received where smaller (`engine.async_reply`;
+``async_reply_patch`` / ``async_reply_dense`` count them), a slow or lost agent
 holds nobody up, and every new version is queued in `versions` for the
 coordinator's loop (metrics row; the parameters where a checkpoint is due). The
 centre evaluates the model every `eval_every` versions and ends the job at the
