@@ -27,7 +27,9 @@ def merge(paths: list[Path]) -> dict[str, Any]:
     for name in ("cap_s", "seed"):
         values = {d[name] for d in docs}
         if len(values) > 1:
-            raise SystemExit(f"the documents differ in {name}: {sorted(values)}; times would not compare")
+            raise SystemExit(
+                f"the documents differ in {name}: {sorted(values)}; times would not compare"
+            )
     runs: dict[tuple[Any, ...], dict[str, Any]] = {}
     for path, doc in zip(paths, docs, strict=True):
         for run in doc["runs"]:
