@@ -89,7 +89,8 @@ def _ring_line(row: dict[str, Any]) -> str:
     n, rounds = row["agents"], max(row["rounds"], 1)
     per_round = row["train_s"] / rounds
     return (f", {1000 * per_round:.0f} ms a round, {1000 * per_round / max(2 * (n - 1), 1):.1f}"
-            f" ms a step, {row['loadgen']['ring_frames_sent']} ring frames, "
+            f" ms a step, {row['loadgen']['ring_frames_sent']} ring frames, the agents' CPU "
+            f"{row['loadgen_cpu_rounds_s']} s, "
             f"{row['loadgen']['refused_frames']} refused")  # fmt: skip
 
 

@@ -1,5 +1,5 @@
-"""What a protocol agent sends that must pass for a real member's: its update, the
-round's sample, its parameters' hash (`fedring.lab.loadgen`), all without torch.
+"""What a protocol agent sends that must pass for a real member's: its update, a ring's
+chunk, its parameters' hash (`fedring.lab.loadgen`), all without torch.
 
     >>> meta, body = star_payload(1000, 256, 3, "fp16")
     >>> meta["codec"], meta["groups"], len(body)

@@ -78,10 +78,11 @@ async def _coordinator_online(host: str, port: int, timeout_s: float) -> None:
 async def _fleet(settings: LoadSettings, n: int, coord: int, broker: int,
                  timeout_s: float) -> dict[str, Any]:  # fmt: skip
     fleet = LoadFleet(settings, n)
-    samples: dict[str, tuple[ProcSample, ProcSample]] = {}
+    samples: dict[str, tuple[ProcSample, ProcSample, ProcSample]] = {}
 
-    def mark(name: str) -> None:
-        samples[name] = (ProcSample.read(coord), ProcSample.read(broker))
+    def mark(name: str) -> None:  # the load generator's own too: a ring's steps are mostly its
+        samples[name] = (ProcSample.read(coord), ProcSample.read(broker),
+                         ProcSample.read(os.getpid()))  # fmt: skip
 
     peak = [0]
 
@@ -109,7 +110,8 @@ async def _fleet(settings: LoadSettings, n: int, coord: int, broker: int,
         await fleet.stop()
     report["coordinator_peak_rss"] = peak[0]
     report["samples"] = {
-        k: {"coordinator": vars(c), "broker": vars(b)} for k, (c, b) in samples.items()
+        k: {"coordinator": vars(c), "broker": vars(b), "loadgen": vars(g)}
+        for k, (c, b, g) in samples.items()
     }
     return report
 
@@ -166,6 +168,7 @@ def _costs(report: dict[str, Any]) -> dict[str, Any]:
         "coordinator_cpu_rounds_s": cpu("coordinator", "acked", "done"),
         "broker_cpu_enrol_s": cpu("broker", "start", "acked"),
         "broker_cpu_rounds_s": cpu("broker", "acked", "done"),
+        "loadgen_cpu_rounds_s": cpu("loadgen", "acked", "done"),  # all N agents together
         "coordinator_rss_mb": round(report["coordinator_peak_rss"] / 2**20, 1),
         "broker_rss_mb": round(s["done"]["broker"]["rss"] / 2**20, 1),
     }  # fmt: skip

@@ -294,6 +294,7 @@ def test_protocol_agents_run_a_real_coordinators_ring_job(tmp_path: Path) -> Non
     loadgen, summary = row["loadgen"], row["summary"]
     assert loadgen["finished"] == loadgen["acked"] == n and loadgen["refused_jobs"] == 0
     assert loadgen["refused_frames"] == loadgen["ring_duplicates"] == 0
+    assert 0 < loadgen["statuses_heard"] <= 4 * n  # the coordinator's and the neighbours'
     assert summary["layout"] == f"ring of {n}" and summary["rounds"] == rounds
     assert summary["reformations"] == 0
     counters = summary["counters"]
