@@ -34,7 +34,7 @@ from fedring.lab.loadgen_ring import RingPeer, RingShape
 from fedring.training.models import flat_sha256
 from fedring.transport.base import Deadline, Delivery, LinkStats, TransportTimeout
 from fedring.transport.mosquitto import MosquittoMissing, mosquitto_binary
-from fedring.wire.control import ControlCodec
+from fedring.wire.control import ControlCodec, ControlMessage
 from fedring.wire.frame import FrameLimits
 
 try:
@@ -238,6 +238,23 @@ def test_a_ring_the_generator_cannot_replay_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"peers \[4\] beyond"):
         RingShape.from_manifest("a1", "j.e0", {**doc, "peers": {**doc["peers"], "4": "a4"}},
                                 10, 3)  # fmt: skip
+
+
+def test_an_agent_answers_a_ring_it_cannot_replay_with_a_refusal() -> None:
+    """A fanout segment: the agent nacks it ("refused: ..."), as a daemon refuses a job,
+    and runs nothing."""
+    agent = ProtocolAgent("a1", LoadSettings("127.0.0.1", 1), Params())
+    wire = _Wire()
+    agent.conn = wire  # type: ignore[assignment]
+    doc = {"job": "job1", "epoch": 0, "key": KEY.hex(), "rank": 1, "world": 3,
+           "peers": {"0": "a0", "1": "a1", "2": "a2"}, "start_round": 0, "mode": "ring",
+           "collective": "fanout", "spec": {"rounds": 3, "topology": "ring"}}  # fmt: skip
+    agent._on_manifest(ControlMessage("manifest", "job1", "coordinator", 0, doc, b"", True))
+    [(topic, frame)] = wire.sent
+    msg = ControlCodec("coordinator", key=KEY).decode("a1", frame)
+    assert topic == "fedring/v1/jobs/job1/to/coordinator/a1"
+    assert msg is not None and msg.kind == "nack" and "collective='fanout'" in msg.doc["why"]
+    assert agent.times.refused_jobs == 1 and agent.pending is None and agent.seg is None
 
 
 def test_fit_tells_quadratic_from_linear() -> None:
