@@ -11,6 +11,12 @@ Time is simulated: an agent with speed factor 3 (``slow = "3:0"``) takes three
 times as long for its H steps, so the order of arrivals is exactly what a slow
 board would cause, and the run is deterministic. Every update and every model
 still travels as real frames through the in-process transport.
+
+The agents train with one intra-op torch thread, as an agent daemon does (the
+generic profile's ``torch_threads = 1``) and as the sync runner does: local steps
+on two threads round some sums differently, and with one agent over MQTT the job
+then left `simulate`'s hash after about 100 versions (fp16 deltas hide the last
+bits until error feedback carries one across a rounding boundary).
 """
 
 from __future__ import annotations
@@ -49,6 +55,20 @@ def simulate_async(
     p: Any,
     on_round: Callable[[int, dict[str, Any]], None] | None,
     on_done: Callable[[torch.nn.Module, Any], None] | None = None,
+) -> dict[str, Any]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as an agent daemon trains: the same bits (module docstring)
+    try:
+        return _simulate(spec, p, on_round, on_done)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _simulate(
+    spec: JobSpec,
+    p: Any,
+    on_round: Callable[[int, dict[str, Any]], None] | None,
+    on_done: Callable[[torch.nn.Module, Any], None] | None,
 ) -> dict[str, Any]:
     start = time.perf_counter()
     trainers = [_agent(spec, p, *build.prepare_model(spec, p, r), r) for r in range(spec.agents)]

@@ -5,12 +5,15 @@ applies each with its staleness weight as it comes (`engine.centre.serve_async`)
 and answers with the current model. Agent 0 is three times slower (``slow =
 "3:0"``: it sleeps twice its compute), so the others pull ahead and its deltas
 arrive stale. Wall-clock order differs from the simulator's virtual clock, so the
-result is compared as an accuracy band, not a hash.
+result is compared as an accuracy band, not a hash; with one agent the order is
+fixed, and the job ends on `simulate`'s hash.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
 
 from fedring.config import JobSpec
 from fedring.coordinator.checkpoint import Checkpoint
@@ -68,6 +71,29 @@ def test_async_replies_are_patches_far_smaller_than_the_dense_model(
     assert summary["identical_models"] and summary["model_hashes"] == [final]
     assert abs(summary["final_accuracy"] - local["final_accuracy"]) < BAND
     assert local["counters"]["async_reply_patch"] >= 180  # simulate replies the same way
+
+
+def test_one_agent_async_job_ends_on_simulates_hash(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    # One agent: arrivals cannot differ, so the bits must not. Simulate used to train on
+    # the caller's torch threads (two on a 2-core machine) while a daemon trains on one;
+    # the job then left simulate's hash after about 100 versions (267ed5e0... for
+    # 4c9dcb50... here). The caller below runs on two threads, as a fresh process here.
+    job = job_toml(tmp_path, agents=1, sync="async", async_wait=1, rounds=200,
+                   compression="group-topk", density=0.01, eval_every=20)  # fmt: skip
+    summary = finish(coordinator(broker.url, job, tmp_path / "run"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        local = simulate(JobSpec.from_toml(job))
+        assert torch.get_num_threads() == 2  # the caller's count is given back
+    finally:
+        torch.set_num_threads(threads)
+    print(f"one agent, async: MQTT {summary['model_hashes']}, simulate {local['model_hashes']}")
+    assert summary["rounds"] == local["rounds"] == 200
+    assert summary["model_hashes"] == local["model_hashes"]
+    assert summary["final_accuracy"] == local["final_accuracy"]
 
 
 def test_kill_9_during_an_async_job_does_not_stall_it(
