@@ -21,6 +21,7 @@ bits until error feedback carries one across a rounding boundary).
 
 from __future__ import annotations
 
+import copy
 import heapq
 import time
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from fedring.engine.local import LocalWork
 from fedring.engine.plan import Plan
 from fedring.engine.reducer import compress_update
 from fedring.engine.sampler import ShardSampler
-from fedring.training.models import param_count, params_sha256
+from fedring.training.models import param_count, params_sha256, set_flat_params
 from fedring.transport.base import Deadline
 from fedring.transport.inproc import InprocTransport
 
@@ -85,6 +86,9 @@ def _simulate(
     efs = [ErrorFeedback(numel) if compressed and spec.error_feedback else None for _ in trainers]
     agg = Aggregation.parse(spec.aggregation)
     model = trainers[0].params
+    # The centre evaluates on a model of its own, as the MQTT coordinator does: an
+    # agent's model is the base it pulled, and setting it would change its next steps.
+    central = copy.deepcopy(trainers[0].model)
     version, pulled = 0, [0] * spec.agents
     replies = AsyncReplies(model, version, counters=counters)
     bases = [AsyncBase(counters) for _ in trainers]
@@ -132,10 +136,8 @@ def _simulate(
                 }
             )
             if version % spec.eval_every == 0 or version == spec.rounds:
-                trainers[0].set_params(
-                    model
-                )  # agent 0's model is refreshed on its next pull anyway
-                test_loss, acc = p.task.evaluate(trainers[0].model, p.dataset)
+                set_flat_params(central, model)
+                test_loss, acc = p.task.evaluate(central, p.dataset)
                 evals.append(
                     {"round": version, "test_loss": test_loss, "accuracy": acc, "sim_time": now}
                 )
@@ -161,9 +163,9 @@ def _simulate(
     for ch in agents:
         ch.endpoint.close()
     sent = [ch.endpoint.stats.bytes_sent for ch in agents]
-    trainers[0].set_params(model)
+    set_flat_params(central, model)
     if on_done is not None:
-        on_done(trainers[0].model, p.dataset)
+        on_done(central, p.dataset)
     return {
         "final_accuracy": evals[-1]["accuracy"] if evals else 0.0,
         "rounds": version,
@@ -174,7 +176,7 @@ def _simulate(
         "wall_seconds": time.perf_counter() - start,
         "sim_seconds_units": now,
         "params": numel,
-        "model_hashes": [params_sha256(trainers[0].model)],
+        "model_hashes": [params_sha256(central)],
         "identical_models": True,
         "rollbacks": 0,
         "evals": evals,
