@@ -39,7 +39,15 @@ from typing import Any
 
 from fedring.bench.lab_grid_cpu import CPU_BOUND, CpuShare
 from fedring.bench.lab_grid_methods import METHODS
-from fedring.bench.lab_grid_resume import ResumeError, done, record, resumed, stored
+from fedring.bench.lab_grid_resume import (
+    ResumeError,
+    done,
+    failed,
+    record,
+    resumed,
+    run_key,
+    stored,
+)
 from fedring.config import JobSpec
 from fedring.lab.lab import Lab, LabRunError
 from fedring.lab.netns import AGENT_IFACE, LabError
@@ -321,6 +329,8 @@ def run(
     }  # fmt: skip
     doc = resumed(out, fresh) if resume else fresh
     doc["not_run"], spent, have = [], float(doc["bench_seconds"]), done(doc)
+    if resume:  # a failed run is run again only where this invocation names its method
+        have |= {run_key(r) for r in doc["runs"] if failed(r) and r["method"] not in methods}
     lab_of = open_lab or (lambda n, bw, where: Lab(n, bw, workdir=where))
     one = measure or (lambda lab, cell, m: _measure(lab, cell, m, cap_s, seed, timeout_s))
     wanted = tuple(m for m in doc["methods"] if m in METHODS)

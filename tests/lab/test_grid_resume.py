@@ -100,11 +100,16 @@ def test_resume_runs_only_the_missing_cells_and_a_cut_short_grid_loses_nothing(
     assert more.calls == [(1.0, "auto-codec"), (10.0, "auto-codec")]
     assert doc["methods"] == ["ring", "ddp", "auto-codec"]
     assert [r[2] for r in stored(tmp_path)[4:]] == ["ValueError: auto-c"] * 2
-    # a run that measured nothing is run again and replaced; the others stay
+    # a failed run is not run again by an invocation that names other methods only
+    other = Methods()
+    grid(tmp_path, ("ddp",), other, resume=True)
+    assert other.calls == [] and len(stored(tmp_path)) == 6
+    # one that names every method (the CLI without --method) runs it again and replaces
+    # it; the others stay
     last = Methods()
-    doc = grid(tmp_path, ("ring",), last, resume=True, bandwidths=(10.0,))
+    doc = grid(tmp_path, ("ring", "ddp", "auto-codec"), last, resume=True, bandwidths=(10.0,))
     assert last.calls == [(1.0, "auto-codec"), (10.0, "auto-codec")]
-    assert [r[2] for r in stored(tmp_path)] == [""] * 6 and doc["invocations"] == 4
+    assert [r[2] for r in stored(tmp_path)] == [""] * 6 and doc["invocations"] == 5
     assert "auto (codec too)" in (tmp_path / "grid.md").read_text()
 
 
