@@ -99,6 +99,7 @@ model, whole.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,6 +123,8 @@ from fedring.engine.local import LocalWork
 from fedring.engine.participation import sampled
 from fedring.engine.star import STAR, Centre
 from fedring.transport.base import Deadline
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "STAR", "AsyncSettings", "AsyncState", "Centre", "CentreSettings", "combine",
@@ -316,6 +319,14 @@ def serve_async(
             alive - ended, phases=("up", "again"), deadline=Deadline.after(settings.timeout_s),
             limits=limits, on_lost=lost,
         )  # fmt: skip
+        if delta.numel != state.model.numel():  # a member's malformed update ends it, not us
+            channel.counters.add("async_wrong_size")
+            log.warning("async centre: %r sent %d entries for a model of %d: taken for lost",
+                        src, delta.numel, state.model.numel())  # fmt: skip
+            lost(src)
+            if not alive:
+                raise CollectiveError("async centre: every member was lost")
+            continue
         again = phase == "again"  # the member could not apply its patch: the model whole
         done = state.stop or state.version >= settings.rounds
         if not done and not again:

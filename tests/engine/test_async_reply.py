@@ -229,3 +229,30 @@ def test_the_centre_answers_again_with_the_whole_model() -> None:
     thread.join(10)
     assert phase == "end" and isinstance(last, DenseChunk) and state.version == 3
     assert centre.counters.get("async_reply_dense") == 3
+
+
+def test_an_update_of_the_wrong_size_loses_its_member_not_the_centre() -> None:
+    """A signed member sending 10 entries for a model of D: counted, that member is taken
+    for lost, and the centre goes on serving the others to the last version."""
+    hub = InprocTransport()
+    centre = PeerChannel(hub.connect(STAR), "job", key=LOCAL_KEY)
+    a = PeerChannel(hub.connect("a"), "job", key=LOCAL_KEY)
+    b = PeerChannel(hub.connect("b"), "job", key=LOCAL_KEY)
+    state = AsyncState(torch.zeros(D))
+    thread = threading.Thread(target=serve_async, args=(
+        centre, ("a", "b"), state, AsyncSettings(rounds=2, timeout_s=10)))  # fmt: skip
+    thread.start()
+    deadline = Deadline.after(10)
+    a.send(STAR, DenseCodec("fp32").compress(torch.ones(10)), round=0, step=0, phase="up",
+           deadline=deadline)  # fmt: skip
+    phases = []
+    for rnd in range(2):
+        b.send(STAR, DenseCodec("fp32").compress(torch.ones(D)), round=rnd, step=0,
+               phase="up", deadline=deadline)  # fmt: skip
+        (_s, _r, _t, phase), _reply = b.recv_any((STAR,), phases=("down", "end"),
+                                                 deadline=deadline)  # fmt: skip
+        phases.append(phase)
+    thread.join(10)
+    assert not thread.is_alive() and phases == ["down", "end"] and state.version == 2
+    assert state.lost == ["a"] and centre.counters.get("async_wrong_size") == 1
+    assert torch.equal(state.model, torch.full((D,), 2.0))
