@@ -56,7 +56,7 @@ HEADER_BYTES = 64  # a compact frame's header is at most this (`wire.compact`)
 _MAX_SAMPLE = 1 << 20  # payload size measured on at most this many entries, then scaled
 # rounds to the target of group-top-k at the policy's floor (1%) over dense's: the
 # larger of the two the edge lab's grid measured (1.91 and 1.27; the module's docstring)
-ROUNDS_AT_FLOOR = 1.9
+ROUNDS_AT_FLOOR = 1.91
 
 
 def candidates(spec: JobSpec) -> tuple[str, ...]:
@@ -131,7 +131,7 @@ def rounds_factor(spec: JobSpec, plan: str) -> float:
     a job whose codec is not chosen), else ``1 + (ROUNDS_AT_FLOOR - 1) x FLOOR / density``."""
     if not codec_choosable(spec) or codec_of(plan) == "dense" or spec.compression != "group-topk":
         return 1.0
-    density = max(float(spec.density), FLOOR)
+    density = max(float(spec.density), 1e-6)  # sparser than the floor: more rounds still
     return 1.0 + (ROUNDS_AT_FLOOR - 1.0) * FLOOR / density
 
 

@@ -164,7 +164,10 @@ class CollectivePlans:
         compute = statistics.median(planned.compute) if planned.compute else planned.compute_s
         time = {a: to_target(spec, a, v, compute) for a, v in again.items()}
         now = to_target(spec, chosen, measured, compute)
-        untried = [a for a in again if a not in seen and time[a] <= TRY_WITHIN * now]
+        # within reach: predicted within TRY_WITHIN of the measured all-reduce, the
+        # tolerance on the all-reduce alone (not on the compute every plan pays)
+        reach = {a: to_target(spec, a, v / TRY_WITHIN, compute) for a, v in again.items()}
+        untried = [a for a in again if a not in seen and reach[a] <= now]
         if untried:
             self.pending = min(untried, key=time.__getitem__)  # a tie: the first listed
             return (f"trying {self.pending}: predicted {again[self.pending] * 1e3:.1f} ms an "

@@ -96,6 +96,13 @@ def test_candidates_predicted_far_off_and_fixed_collectives_are_not_tried() -> N
     fixed = CollectivePlans()
     fixed.plan(spec("ring"), 0, MEMBERS, f, NUMEL, 0)
     assert feed(fixed, spec("ring"), rows_from(fixed), 1.0, 3 * CALIBRATION_ROUNDS) == ""
+    # a long compute a round brings no plan within reach: the tolerance is the all-reduce's
+    slow = CollectivePlans()
+    slow.plan(job, 0, MEMBERS, f, NUMEL, 0)
+    first = rows_from(slow)
+    for r in range(first, first + 3 * CALIBRATION_ROUNDS):
+        slow.observe(job, r, {"round": r, "comm_s": fast, "compute_s": 1.0})
+        assert slow.replan(job) == ""
 
 
 def test_warm_up_rounds_and_a_new_rings_first_rounds_are_not_measured() -> None:
