@@ -39,6 +39,11 @@ def _seconds(run: dict[str, Any] | None) -> float | None:
     return None if run is None else run.get("seconds_to_target")
 
 
+def _ran(run: dict[str, Any] | None) -> bool:
+    """A run that measured something (a capped run did; an error with no curve did not)."""
+    return run is not None and not (run.get("error") and not run.get("curve"))
+
+
 def _rows(out: Path, run: dict[str, Any]) -> list[dict[str, Any]]:
     from fedring.bench.lab_grid import Cell, parse_model
 
@@ -47,7 +52,13 @@ def _rows(out: Path, run: dict[str, Any]) -> list[dict[str, Any]]:
     path = out / f"n{run['agents']}" / slug / run["method"] / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:  # a run killed at the cap may leave a last line cut short
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in rows if isinstance(r, dict)]
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -113,8 +124,8 @@ def verdict(doc: dict[str, Any], out: Path) -> str:
         total += 1
         cap = float(mine["cap_s"])
         t = _seconds(mine)
-        fixed = {m: _seconds(runs.get(m)) for m in FIXED if m in runs}
-        peers = {m: _seconds(runs.get(m)) for m in PEERS if m in runs}
+        fixed = {m: _seconds(runs[m]) for m in FIXED if _ran(runs.get(m))}
+        peers = {m: _seconds(runs[m]) for m in PEERS if _ran(runs.get(m))}
         best_f = min((v for v in fixed.values() if v), default=None)
         best_p = min((v for v in peers.values() if v), default=None)
         name_f = next((m for m, v in fixed.items() if v == best_f), "")
@@ -126,7 +137,9 @@ def verdict(doc: dict[str, Any], out: Path) -> str:
         ok = t is not None and (r_f is None or r_f <= 1.05) and (r_p is None or r_p <= 1 + tol)
         if share is not None and share >= COMM_BOUND:
             ok = ok and worst is not None and worst >= 5.0
-        held += ok
+        judged = bool(fixed) and bool(peers) and _ran(mine)  # nothing to compare: no verdict
+        held += ok and judged
+        total -= not judged
         lines.append("| " + " | ".join([
             str(n), model, f"{bw:g}", f"{delay:g}",
             f"{t:.1f}" if t else f"> {cap:g} ({mine['best_accuracy']:.3f})",
@@ -135,12 +148,14 @@ def verdict(doc: dict[str, Any], out: Path) -> str:
             f"{text_p} ({name_p})" if name_p else text_p,
             "–" if share is None else f"{share:.2f}",
             "–" if worst is None else f"{'≥ ' if None in peers.values() else ''}{worst:.1f}",
-            "held" if ok else "not held",
+            "not judged" if not judged else "held" if ok else "not held",
         ]) + " |")  # fmt: skip
+    lines.append("")
     if spread:
-        lines += ["", f"Noise: {len(spread)} pairs of runs of the same plan; |ratio - 1| "
-                  f"median {tol:.2f} (the tolerance of ÷ fastest peer), largest "
-                  f"{max(spread):.2f}. Held in {held} of {total} cells."]  # fmt: skip
+        lines[-1] = (f"Noise: {len(spread)} pairs of runs of the same plan; |ratio - 1| "
+                     f"median {tol:.2f} (the tolerance of ÷ fastest peer), largest "
+                     f"{max(spread):.2f}. ")  # fmt: skip
+    lines[-1] += f"Held in {held} of {total} cells judged."
     return "\n".join(lines)
 
 

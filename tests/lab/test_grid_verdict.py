@@ -49,7 +49,7 @@ def test_the_verdict_holds_a_cell_auto_wins_and_refuses_one_it_loses(tmp_path: P
     assert "1.05 (dense)" in cpu_cell and cpu_cell.endswith("not held |")
     # the link's cell: faster than all, but only 3x DDP where the dense round is 90% comm
     assert "0.90" in link_cell and "3.0" in link_cell and link_cell.endswith("not held |")
-    assert "Held in 0 of 2 cells" in text
+    assert "Held in 0 of 2 cells judged" in text
 
 
 def test_a_cell_beaten_5x_everywhere_is_held_and_comm_share_falls_back(tmp_path: Path) -> None:
@@ -62,4 +62,21 @@ def test_a_cell_beaten_5x_everywhere_is_held_and_comm_share_falls_back(tmp_path:
     assert abs(comm_share(tmp_path, runs) - 0.95) < 1e-9  # type: ignore[operator]
     text = verdict(doc, tmp_path)
     assert text.splitlines()[2].endswith("| ≥ 6.0 | held |")
-    assert "Held in 1 of 1 cells" in text
+    assert "Held in 1 of 1 cells judged" in text
+
+
+def test_a_cell_with_nothing_to_compare_is_not_judged(tmp_path: Path) -> None:
+    """auto-codec alone, or beside a peer that failed before measuring anything: no
+    verdict (not 'held' against runs that never happened)."""
+    doc = {"runs": [run("auto-codec", 2.0, 1.0, collective="ring"),
+                    run("ddp", None, 1.0, error="BaselineError: timed out", curve=[])]}  # fmt: skip
+    text = verdict(doc, tmp_path)
+    assert text.splitlines()[2].endswith("| not judged |")
+    assert "Held in 0 of 0 cells judged" in text
+    # a truncated metrics line (a run killed at the cap) is skipped, not fatal
+    rows(tmp_path, 1.0, "auto-codec", comm_s=0.005, step_s=0.010)
+    slug = Cell(4, 1.0, 0.0, parse_model(MODEL)).slug
+    with (tmp_path / "n4" / slug / "auto-codec" / "metrics.jsonl").open("a") as f:
+        f.write('{"round": 8, "comm')
+    runs = {"dense": run("dense", 30.0, 1.0, round_ms=100.0), "auto-codec": doc["runs"][0]}
+    assert abs(comm_share(tmp_path, runs) - 0.95) < 1e-9  # type: ignore[operator]
