@@ -86,12 +86,14 @@ def _ring_line(row: dict[str, Any]) -> str:
     """A ring's round and step times (2(N-1) steps a round), and its refused frames."""
     if row["mode"] != "ring":
         return ""
+    gen = row.get("loadgen") or {}
+    if "ring_frames_sent" not in gen:  # every agent refused the ring: nothing to time
+        return ", no ring ran (every agent refused it)"
     n, rounds = row["agents"], max(row["rounds"], 1)
     per_round = row["train_s"] / rounds
     return (f", {1000 * per_round:.0f} ms a round, {1000 * per_round / max(2 * (n - 1), 1):.1f}"
-            f" ms a step, {row['loadgen']['ring_frames_sent']} ring frames, the agents' CPU "
-            f"{row['loadgen_cpu_rounds_s']} s, "
-            f"{row['loadgen']['refused_frames']} refused")  # fmt: skip
+            f" ms a step, {gen['ring_frames_sent']} ring frames, the agents' CPU "
+            f"{row['loadgen_cpu_rounds_s']} s, {gen.get('refused_frames', 0)} refused")  # fmt: skip
 
 
 if __name__ == "__main__":
