@@ -1,5 +1,6 @@
 """An agent's link hears the coordinator's and its job's peers' presence only (issue 29),
-against a real Mosquitto: no status fan-out to every agent, and a dead peer still seen."""
+against a real Mosquitto: no status fan-out to every agent, and a dead peer still seen.
+In the monitor lane (presence, as `fedring fleet` watches it), beside the longer mqtt lane."""
 
 from __future__ import annotations
 
