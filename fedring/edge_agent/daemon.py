@@ -47,7 +47,7 @@ from fedring.firmware_profiles.apply import runtime_rss
 from fedring.firmware_profiles.schema import Profile
 from fedring.monitor import JobFeed
 from fedring.training.datasets import DatasetError
-from fedring.training.models import flat_bytes, flat_sha256
+from fedring.training.models import flat_bytes, flat_sha256, pay_process_one_offs
 from fedring.training.sharding import ShardError
 from fedring.transport import topics
 from fedring.transport.base import Deadline, TransportError
@@ -151,6 +151,7 @@ class AgentDaemon:
         run once; a change of job re-sends the same hello with the new ``job``."""
         assert self.link is not None
         if not self.hello_doc:
+            pay_process_one_offs()  # not in the first job's first round (`torch._dynamo`)
             encode_s, decode_s = codec_cost()  # the collective's cost model (`auto`)
             self.hello_doc = {
                 "id": self.me, "session": self.link.session, "profile": self.profile,

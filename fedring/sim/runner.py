@@ -35,7 +35,7 @@ from fedring.engine.resync import summarise as summarise_drift
 from fedring.firmware_profiles.schema import Profile
 from fedring.sim.shared_eval import SharedEvaluation, shareable
 from fedring.training.datasets import Dataset
-from fedring.training.models import param_count, params_sha256
+from fedring.training.models import param_count, params_sha256, pay_process_one_offs
 from fedring.transport.inproc import InprocTransport
 
 TIMES = ("compute_s", "comm_s", "step_s")  # a sync round's seconds, in every row
@@ -141,17 +141,6 @@ def simulate(
     if on_done is not None:
         on_done(models[0], p.dataset)
     return summary
-
-
-def pay_process_one_offs() -> None:
-    """Pay, before the run's clock starts, what only the first run in a process pays.
-
-    The first torch optimizer built in a process imports ``torch._dynamo`` (~2 s on
-    a 2-core sandbox); a process that runs two jobs (``--with-dense``, the benches)
-    would otherwise charge it, with the once-generated MNIST-1D (`plan`, in
-    ``setup_seconds``), to whichever job ran first. Later calls cost microseconds.
-    """
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
 
 
 def _attackers(spec: JobSpec, attack: Attack | None, attackers: int | Sequence[int]) -> list[int]:

@@ -311,3 +311,16 @@ def flat_sha256(flat: torch.Tensor) -> str:
 
 def flat_bytes(flat: torch.Tensor) -> bytes:
     return flat.detach().cpu().numpy().astype("<f4", copy=False).tobytes()
+
+
+def pay_process_one_offs() -> None:
+    """Pay, before any job's clock starts, what only the first job in a process pays.
+
+    The first torch optimizer built in a process imports ``torch._dynamo`` (~2 s on
+    a 2-core sandbox). A process that runs several jobs (``simulate --with-dense``,
+    the benches, an agent daemon) would otherwise charge it to whichever job ran
+    first: `fedring simulate` calls this before its clock starts (with the
+    once-generated MNIST-1D in ``setup_seconds``), an agent daemon before its hello.
+    Later calls cost microseconds.
+    """
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
