@@ -150,7 +150,7 @@ def verdict(doc: dict[str, Any], out: Path) -> str:
             "–" if worst is None else f"{'≥ ' if None in peers.values() else ''}{worst:.1f}",
             "not judged" if not judged else "held" if ok else "not held",
         ]) + " |")  # fmt: skip
-    lines.append("")
+    lines += ["", ""]  # a blank line ends the table
     if spread:
         lines[-1] = (f"Noise: {len(spread)} pairs of runs of the same plan; |ratio - 1| "
                      f"median {tol:.2f} (the tolerance of ÷ fastest peer), largest "
