@@ -133,7 +133,9 @@ class CollectivePlans:
         if not self.epochs or not choosing(spec):
             return
         planned, comm = self.epochs[-1], row.get("comm_s")
-        first = max(warmup_rounds(spec), planned.start_round + 2)  # past a new ring's start
+        # past a new ring's start, and past the density warm-up unless the plan sends dense
+        warm = 0 if codec_of(planned.choice.algorithm) == "dense" else warmup_rounds(spec)
+        first = max(warm, planned.start_round + 2)
         if planned.checked or rnd <= first or not isinstance(comm, int | float) or comm <= 0:
             return
         planned.comm.append(float(comm))
@@ -224,8 +226,9 @@ class CollectivePlans:
         out = []
         centre = "async" if spec.sync == "async" else "star" if needs_centre(spec) else ""
         ends = [p.start_round for p in self.epochs[1:]] + [max(rows, default=0) + 1]
-        warm = warmup_rounds(spec)
         for planned, end in zip(self.epochs, ends, strict=True):
+            dense = codec_of(planned.choice.algorithm) == "dense"
+            warm = 0 if dense else warmup_rounds(spec)
             first = max(planned.start_round, warm) if warm < end - 2 else planned.start_round
             walls = [float(rows[r]["wall_s"]) for r in sorted(rows)
                      if first <= r < end and "wall_s" in rows[r]]  # fmt: skip

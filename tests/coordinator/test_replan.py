@@ -116,6 +116,16 @@ def test_warm_up_rounds_and_a_new_rings_first_rounds_are_not_measured() -> None:
     late = CollectivePlans()  # a ring re-formed at round 100: its first two rows skipped
     late.plan(job, 1, MEMBERS, fleet(), NUMEL, 100)
     assert feed(late, job, 101, 1.0, 2) == "" and late.epochs[0].comm == []
+    # a dense plan sends no warm-up's denser payloads: measured from its third round
+    dense = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
+                                  "compression": "auto"})  # fmt: skip
+    gbit = {**HELLO, "up_bps": 1.25e8, "down_bps": 1.25e8, "encode_s": [2e-4, 4e-6]}
+    fast = Fleet(hellos={a: dict(gbit) for a in MEMBERS})
+    first = CollectivePlans()
+    first.plan(dense, 0, MEMBERS, fast, NUMEL, 0)
+    assert first.codec() == "dense" and warmup_rounds(dense) > 3
+    feed(first, dense, 1, 1.0, 3)
+    assert len(first.epochs[0].comm) == 1  # round 3 on
 
 
 def test_every_candidate_runs_at_most_once_before_the_members_settle() -> None:
