@@ -137,7 +137,9 @@ def verdict(doc: dict[str, Any], out: Path) -> str:
         ok = t is not None and (r_f is None or r_f <= 1.05) and (r_p is None or r_p <= 1 + tol)
         if share is not None and share >= COMM_BOUND:
             ok = ok and worst is not None and worst >= 5.0
-        judged = bool(fixed) and bool(peers) and _ran(mine)  # nothing to compare: no verdict
+        # nothing to compare (no other method ran, or none reached the target): no verdict
+        reached = t is not None or best_f is not None or best_p is not None
+        judged = bool(fixed) and bool(peers) and _ran(mine) and reached
         held += ok and judged
         total -= not judged
         lines.append("| " + " | ".join([
@@ -148,7 +150,8 @@ def verdict(doc: dict[str, Any], out: Path) -> str:
             f"{text_p} ({name_p})" if name_p else text_p,
             "–" if share is None else f"{share:.2f}",
             "–" if worst is None else f"{'≥ ' if None in peers.values() else ''}{worst:.1f}",
-            "not judged" if not judged else "held" if ok else "not held",
+            ("not judged" if reached else "none reached") if not judged
+            else "held" if ok else "not held",
         ]) + " |")  # fmt: skip
     lines += ["", ""]  # a blank line ends the table
     if spread:

@@ -80,3 +80,11 @@ def test_a_cell_with_nothing_to_compare_is_not_judged(tmp_path: Path) -> None:
         f.write('{"round": 8, "comm')
     runs = {"dense": run("dense", 30.0, 1.0, round_ms=100.0), "auto-codec": doc["runs"][0]}
     assert abs(comm_share(tmp_path, runs) - 0.95) < 1e-9  # type: ignore[operator]
+
+
+def test_a_cell_no_method_reached_is_not_judged(tmp_path: Path) -> None:
+    doc = {"runs": [run("auto-codec", None, 1.0, collective="ring"), run("ring", None, 1.0),
+                    run("ddp", None, 1.0)]}  # fmt: skip
+    text = verdict(doc, tmp_path)
+    assert text.splitlines()[2].endswith("| none reached |")
+    assert "Held in 0 of 0 cells judged" in text
