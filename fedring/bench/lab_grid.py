@@ -241,6 +241,21 @@ def fill_round_ms(doc: dict[str, Any], out: Path) -> dict[str, Any]:
     return doc
 
 
+def run_rows(out: Path, run: dict[str, Any]) -> list[dict[str, Any]]:
+    """A fedring run's metrics rows under `out` (none where it kept none); a line cut
+    short (a run killed at the cap) is skipped."""
+    slug = Cell(run["agents"], run["bandwidth_mbps"], run["delay_ms"],
+                parse_model(run["model"])).slug  # fmt: skip
+    path = out / f"n{run['agents']}" / slug / run["method"] / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in rows if isinstance(r, dict)]
+
+
 def chosen_collective(result: dict[str, Any]) -> str:
     """The algorithms `collective = "auto"` ran, in order ("fanout", "ring→fanout"),
     from the rows' ``collective`` field, with their ``codec`` where it was chosen too
@@ -381,7 +396,8 @@ def write(doc: dict[str, Any], out: Path, draw: bool = True) -> dict[str, Any]:
     atomic_write(out / "grid.json", json.dumps(doc, indent=1))
     judged = any(r["method"] == "auto-codec" for r in doc["runs"])
     head = "\n\n`auto` choosing codec and collective against the rest (issue 29's bars):\n\n"
-    atomic_write(out / "grid.md", tables(doc) + (head + verdict(doc, out) if judged else "") + "\n")
+    said = verdict(doc, lambda run: run_rows(out, run)) if judged else ""
+    atomic_write(out / "grid.md", tables(doc) + (head + said if judged else "") + "\n")
     if doc["runs"] and draw:
         doc["plot"] = str(plot(doc, out / "grid.png"))
     return doc

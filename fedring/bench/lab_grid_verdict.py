@@ -22,12 +22,13 @@ plan differed by more).
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from fedring.bench.lab_grid_report import cells
+
+Rows = Callable[[dict[str, Any]], list[dict[str, Any]]]  # a fedring run's metrics rows
 
 FIXED = ("ring", "fanout", "hub", "dense")  # fedring's fixed settings ("dense": the dense ring)
 PEERS = ("dense", "flower", "ddp", "powersgd2", "powersgd4")
@@ -44,38 +45,22 @@ def _ran(run: dict[str, Any] | None) -> bool:
     return run is not None and not (run.get("error") and not run.get("curve"))
 
 
-def _rows(out: Path, run: dict[str, Any]) -> list[dict[str, Any]]:
-    from fedring.bench.lab_grid import Cell, parse_model
-
-    slug = Cell(run["agents"], run["bandwidth_mbps"], run["delay_ms"],
-                parse_model(run["model"])).slug  # fmt: skip
-    path = out / f"n{run['agents']}" / slug / run["method"] / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:  # a run killed at the cap may leave a last line cut short
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return [r for r in rows if isinstance(r, dict)]
-
-
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     values = [float(r[key]) for r in rows[2:] if isinstance(r.get(key), int | float)]
     return statistics.median(values) if values else None
 
 
-def comm_share(out: Path, runs: dict[str, dict[str, Any]]) -> float | None:
+def comm_share(rows_of: Rows, runs: dict[str, dict[str, Any]]) -> float | None:
     """The dense ring's communication share of its round (module docstring)."""
     dense = runs.get("dense")
     if dense is None:
         return None
-    rows = _rows(out, dense)
+    rows = rows_of(dense)
     comm, step = _median(rows, "comm_s"), _median(rows, "step_s")
     if comm is not None and step:
         return min(1.0, comm / step)
-    compute = _median(_rows(out, runs["auto-codec"]), "compute_s") if "auto-codec" in runs else None
+    mine = runs.get("auto-codec")
+    compute = _median(rows_of(mine), "compute_s") if mine is not None else None
     if compute is None or not dense.get("round_ms"):
         return None
     return max(0.0, 1.0 - compute * 1e3 / float(dense["round_ms"]))
@@ -107,7 +92,7 @@ def _ratio(mine: float | None, other: float | None, cap: float) -> tuple[str, fl
     return "–", None
 
 
-def verdict(doc: dict[str, Any], out: Path) -> str:
+def verdict(doc: dict[str, Any], rows_of: Rows) -> str:
     """The Markdown table and the noise line (module docstring)."""
     spread = noise(doc)
     tol = statistics.median(spread) if spread else 0.0
@@ -132,7 +117,7 @@ def verdict(doc: dict[str, Any], out: Path) -> str:
         name_p = next((m for m, v in peers.items() if v == best_p), "")
         text_f, r_f = _ratio(t, best_f, cap)
         text_p, r_p = _ratio(t, best_p, cap)
-        share = comm_share(out, runs)
+        share = comm_share(rows_of, runs)
         worst = min(((p or cap) / t for p in peers.values()), default=None) if t else None
         ok = t is not None and (r_f is None or r_f <= 1.05) and (r_p is None or r_p <= 1 + tol)
         if share is not None and share >= COMM_BOUND:
@@ -160,17 +145,3 @@ def verdict(doc: dict[str, Any], out: Path) -> str:
                      f"{max(spread):.2f}. ")  # fmt: skip
     lines[-1] += f"Held in {held} of {total} cells judged."
     return "\n".join(lines)
-
-
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Issue 29's verdict on a grid directory.")
-    parser.add_argument("out", type=Path)
-    args = parser.parse_args()
-    doc = json.loads((args.out / "grid.json").read_text())
-    print(verdict(doc, args.out))
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedring.bench.lab_grid import Cell, parse_model
+from fedring.bench.lab_grid import Cell, parse_model, run_rows
 from fedring.bench.lab_grid_verdict import comm_share, noise, verdict
 
 MODEL = "digits/mlp"
@@ -42,7 +42,7 @@ def test_the_verdict_holds_a_cell_auto_wins_and_refuses_one_it_loses(tmp_path: P
     rows(tmp_path, 50.0, "dense", comm_s=0.2, step_s=1.0)
     # two pairs of the same plan: 4.2 against 4.0 and 2.0 against 2.0
     assert sorted(round(x, 3) for x in noise(doc)) == [0.0, 0.05]
-    text = verdict(doc, tmp_path)
+    text = verdict(doc, lambda r: run_rows(tmp_path, r))
     [cpu_cell] = [line for line in text.splitlines() if "| 50 |" in line]
     [link_cell] = [line for line in text.splitlines() if "| 1 |" in line]
     # 4.2 / 4.0 = 1.05: at the fixed bar, but over the fastest peer beyond the noise (1.025)
@@ -59,8 +59,8 @@ def test_a_cell_beaten_5x_everywhere_is_held_and_comm_share_falls_back(tmp_path:
     # no dense rows: 1 - auto-codec's compute (5 ms) / the dense round (100 ms)
     rows(tmp_path, 1.0, "auto-codec", comm_s=0.005, step_s=0.010)
     runs = {r["method"]: r for r in doc["runs"]}
-    assert abs(comm_share(tmp_path, runs) - 0.95) < 1e-9  # type: ignore[operator]
-    text = verdict(doc, tmp_path)
+    assert abs(comm_share(lambda r: run_rows(tmp_path, r), runs) - 0.95) < 1e-9  # type: ignore[operator]
+    text = verdict(doc, lambda r: run_rows(tmp_path, r))
     assert text.splitlines()[2].endswith("| ≥ 6.0 | held |")
     assert "Held in 1 of 1 cells judged" in text
 
@@ -70,7 +70,7 @@ def test_a_cell_with_nothing_to_compare_is_not_judged(tmp_path: Path) -> None:
     verdict (not 'held' against runs that never happened)."""
     doc = {"runs": [run("auto-codec", 2.0, 1.0, collective="ring"),
                     run("ddp", None, 1.0, error="BaselineError: timed out", curve=[])]}  # fmt: skip
-    text = verdict(doc, tmp_path)
+    text = verdict(doc, lambda r: run_rows(tmp_path, r))
     assert text.splitlines()[2].endswith("| not judged |")
     assert "Held in 0 of 0 cells judged" in text
     # a truncated metrics line (a run killed at the cap) is skipped, not fatal
@@ -79,12 +79,12 @@ def test_a_cell_with_nothing_to_compare_is_not_judged(tmp_path: Path) -> None:
     with (tmp_path / "n4" / slug / "auto-codec" / "metrics.jsonl").open("a") as f:
         f.write('{"round": 8, "comm')
     runs = {"dense": run("dense", 30.0, 1.0, round_ms=100.0), "auto-codec": doc["runs"][0]}
-    assert abs(comm_share(tmp_path, runs) - 0.95) < 1e-9  # type: ignore[operator]
+    assert abs(comm_share(lambda r: run_rows(tmp_path, r), runs) - 0.95) < 1e-9  # type: ignore[operator]
 
 
 def test_a_cell_no_method_reached_is_not_judged(tmp_path: Path) -> None:
     doc = {"runs": [run("auto-codec", None, 1.0, collective="ring"), run("ring", None, 1.0),
                     run("ddp", None, 1.0)]}  # fmt: skip
-    text = verdict(doc, tmp_path)
+    text = verdict(doc, lambda r: run_rows(tmp_path, r))
     assert text.splitlines()[2].endswith("| none reached |")
     assert "Held in 0 of 0 cells judged" in text

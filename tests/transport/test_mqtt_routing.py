@@ -12,6 +12,7 @@ from fedring.transport.mqtt_broker import BrokerConfig
 from fedring.transport.mqtt_connection import Connection
 from fedring.transport.mqtt_inbox import Control, Inboxes
 from fedring.transport.mqtt_routing import Router
+from fedring.transport.mqtt_watch import StatusWatch
 
 CFG = BrokerConfig("127.0.0.1", 1883)
 COORD = topics.COORDINATOR
@@ -40,7 +41,7 @@ class Side:
         self.heard: list[tuple[str, object]] = []
         self.router = Router(
             self.conn, self.inboxes, self.stats, self.counters, control_from=(COORD,),
-            listen_hellos=hellos,
+            listen_hellos=hellos, statuses=StatusWatch(self.conn, None, lambda *_: None),
             status=lambda who, p, r: self.heard.append(("status", (who, p, r))),
             beat=(lambda who, p: self.heard.append(("beat", (who, p)))) if watch else None,
             probe=lambda p: self.heard.append(("probe", p)),
