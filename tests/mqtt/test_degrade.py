@@ -32,8 +32,9 @@ def _moves_on(out: Path, what: str) -> None:
 def test_three_broken_rings_go_on_asynchronously_and_back_to_the_ring(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
-    # lr 0.05 (half the default): the asynchronous stretch stays below the target
-    job = job_toml(tmp_path, rounds=2000, eval_every=10, target_accuracy=0.97, lr=0.05,
+    # lr 0.05 (half the default) and a target of 0.975: the asynchronous stretch stays
+    # below it (under CI's load one reached 0.9749 before 5 calm versions at 0.97)
+    job = job_toml(tmp_path, rounds=2000, eval_every=10, target_accuracy=0.975, lr=0.05,
                    degrade_after=3, degrade_window=1000, degrade_calm=5)  # fmt: skip
     out = tmp_path / "run"
     proc = started(broker.url, job, out, 5)
