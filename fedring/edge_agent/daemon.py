@@ -151,6 +151,7 @@ class AgentDaemon:
         run once; a change of job re-sends the same hello with the new ``job``."""
         assert self.link is not None
         if not self.hello_doc:
+            pay_process_one_offs()  # not in the first job's first round (`torch._dynamo`)
             encode_s, decode_s = codec_cost()  # the collective's cost model (`auto`)
             self.hello_doc = {
                 "id": self.me, "session": self.link.session, "profile": self.profile,
@@ -161,10 +162,6 @@ class AgentDaemon:
                 "python": platform.python_version(), "started": self.started,
                 "mem_total": _physical_memory(),
             }  # fmt: skip
-            # torch's one-off optimizer import (`torch._dynamo`, ~2 s), after the probes
-            # (they time this CPU) and beside the wait for a job, not in its first round;
-            # a job that comes sooner waits on the import lock for what is left of it
-            threading.Thread(target=pay_process_one_offs, name="warm-up", daemon=True).start()
         doc = {**self.hello_doc, "job": job, "rss": resident_bytes()}
         [frame] = self.codec.encode("hello", "-", topics.COORDINATOR, doc, sign=False)
         self.link.publish(topics.hello(self.me), frame, Deadline.after(SEND_S), retain=True)
