@@ -320,8 +320,8 @@ def pay_process_one_offs() -> None:
     a 2-core sandbox). A process that runs several jobs (``simulate --with-dense``,
     the benches, an agent daemon) would otherwise charge it to whichever job ran
     first: `fedring simulate` calls this before its clock starts (with the
-    once-generated MNIST-1D in ``setup_seconds``), an agent daemon on a thread after
-    its first hello.
+    once-generated MNIST-1D in ``setup_seconds``), an agent daemon before its
+    first hello.
     Later calls cost microseconds.
     """
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
