@@ -126,6 +126,16 @@ def shortfall(members: Collection[str], want: int, refused: Mapping[str, str]) -
             "--min-agents to run with fewer")  # fmt: skip
 
 
+def same_order(members: list[str], before: list[str]) -> list[str]:
+    """`members` in the order of the ring `before` when they are the same agents: a
+    re-plan re-forms the same ring. The fleet's order (`Fleet.order`) moves as the
+    members' measured steps arrive with their first acks, and a ring in another order
+    is another ring to `held_round` and the plans (`CollectivePlans`): the job would go
+    back to its last checkpoint (round 0 in a job that saves only at the end) and the
+    plan measured on these members would be forgotten."""
+    return list(before) if set(members) == set(before) and len(members) == len(before) else members
+
+
 def held_round(ep: Epoch, members: list[str], spread: int = HELD_SPREAD) -> tuple[int, str] | None:
     """The newest round every member of the halted `ep` still holds, and its state's
     sha256, when the same `members` all halted within `spread` rounds and agree on it."""

@@ -89,6 +89,8 @@ class Coordinator(SegmentRunner):
             while True:
                 if not members:
                     raise CoordinatorError("no agent holding a shard is online")
+                if self.replanning and last:
+                    members = decide.same_order(members, last.members)
                 ep = Epoch(epoch, members, ck.round)
                 if self.replanning and last:  # the same members go on from where they halted
                     ep.start, ep.held = self._held_round(last, members) or (ck.round, "")

@@ -17,6 +17,7 @@ from fedring.coordinator.epoch import (
     on_member,
     on_nack,
     outcome,
+    same_order,
     shortfall,
 )
 from fedring.coordinator.membership import Fleet, Suspects
@@ -127,6 +128,16 @@ def test_the_members_without_an_ack() -> None:
 
 def _halted(**rounds: tuple[int, str]) -> Epoch:
     return Epoch(3, list(rounds), 0, halted=dict(rounds))
+
+
+def test_a_re_plan_keeps_the_halted_rings_order_so_its_held_round_counts() -> None:
+    ep = _halted(a0=(30, "s"), a1=(30, "s"), a2=(30, "s"))
+    moved = ["a2", "a0", "a1"]  # the fleet's order after the members' acks came in
+    assert held_round(ep, moved) is None  # another ring: it would go back to the checkpoint
+    kept = same_order(moved, ep.members)
+    assert kept == ep.members and held_round(ep, kept) == (30, "s")
+    assert same_order(["a2", "a0"], ep.members) == ["a2", "a0"]  # fewer: a new ring
+    assert same_order(["a3", "a0", "a1"], ep.members) == ["a3", "a0", "a1"]
 
 
 def test_a_re_plan_resumes_at_the_oldest_round_every_member_holds() -> None:

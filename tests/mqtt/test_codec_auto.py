@@ -10,6 +10,7 @@ from pathlib import Path
 from fedring.collective.cost import ALGORITHMS, Choice
 from fedring.config import JobSpec
 from fedring.coordinator.collectives import CollectivePlans
+from fedring.coordinator.membership import Fleet as MemberFleet
 from fedring.coordinator.service import Coordinator, Options
 from fedring.transport.mosquitto import Mosquitto
 from fedring.transport.mqtt import BrokerConfig
@@ -20,7 +21,14 @@ SWITCH_AT = 20
 
 class _DenseAt(CollectivePlans):
     """Group-top-k first, then one re-plan to the dense ring once the head's row of
-    round `SWITCH_AT` arrives (when to re-plan is `tests/coordinator/test_replan.py`'s)."""
+    round `SWITCH_AT` arrives (when to re-plan is `tests/coordinator/test_replan.py`'s).
+    At the re-plan the fleet's order turns round, as it does when the members' measured
+    steps arrive with their acks: the re-formed ring must still go on from the round
+    its members halted at."""
+
+    def __init__(self, fleet: MemberFleet) -> None:
+        super().__init__()
+        self.fleet = fleet
 
     def observe(self, spec: JobSpec, rnd: int, row: dict) -> None:
         self.seen = rnd
@@ -28,6 +36,8 @@ class _DenseAt(CollectivePlans):
     def replan(self, spec: JobSpec) -> str:
         if len(self.epochs) > 1 or getattr(self, "seen", 0) < SWITCH_AT:
             return ""
+        ring = list(self.epochs[-1].members)
+        self.fleet.order = lambda agents: [a for a in reversed(ring) if a in agents]  # type: ignore[method-assign]
         return "the test switches to dense"
 
     def plan(self, spec, epoch, members, fleet, numel, start):  # type: ignore[no-untyped-def]
@@ -45,9 +55,11 @@ def test_a_switch_to_dense_mid_job_flushes_the_residual(
                                  "compression": "auto", "density_warmup": 0,
                                  "checkpoint_every": 1000})  # fmt: skip
     coord = Coordinator(spec, BrokerConfig.parse(broker.url), Options(out=tmp_path / "run"))
-    coord.collectives = _DenseAt()
+    coord.collectives = _DenseAt(coord.fleet)
     summary = coord.run()
     sparse, dense = summary["collective"]
+    # the same ring went on from where it halted, not from the checkpoint (round 0)
+    assert SWITCH_AT <= dense["from_round"] <= SWITCH_AT + 4
     assert set(sparse["predicted_s"]) == {"dense ring", "ring"}
     assert (sparse["chosen"], sparse["codec"]) == ("ring", "group-topk")
     assert (dense["chosen"], dense["codec"]) == ("dense ring", "dense")
