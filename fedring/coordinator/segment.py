@@ -167,7 +167,7 @@ class SegmentRunner(ControlPort):
                 progress = Deadline.after(stall)
             if ep.finished:
                 return True
-            if (missing := ep.unacked()) and acks_by.expired:
+            if acks_by.expired and (missing := ep.unacked()):  # not O(N) at every message
                 return self._reform(ep, f"no ack from {missing}")
             if progress.expired:
                 self.counters.add("stalled")

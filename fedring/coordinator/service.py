@@ -54,6 +54,7 @@ from fedring.transport.mqtt import BrokerConfig, MqttLink
 log = logging.getLogger(__name__)
 _Epoch = Epoch  # the name tests of the coordinator's handlers use
 __all__ = ["HELD_SPREAD", "Coordinator", "CoordinatorError", "Options"]
+FEED_S = 0.2  # seconds between the dashboard's counts of agents ready while enrolling
 
 
 class Coordinator(SegmentRunner):
@@ -124,17 +125,8 @@ class Coordinator(SegmentRunner):
 
     def _enrol_and_plan(self) -> Checkpoint:
         want = self.opts.min_agents or self.spec.agents
-        deadline = Deadline.after(self.opts.enrol_timeout_s)
         log.info("waiting for %d agents on %s", want, self.cfg.url)
-        while len(self._ready()) < want:
-            if deadline.expired:
-                raise CoordinatorError(
-                    f"only {len(self._ready())} of {want} agents enrolled within "
-                    f"{self.opts.enrol_timeout_s:g} s: {sorted(self._ready())}"
-                )
-            self._poll(0.2)
-            self.feed.online(len(self._ready()))
-        chosen = self.fleet.order(self._ready())[: self.spec.agents]
+        chosen = self.fleet.order(self._await_agents(want))[: self.spec.agents]
         if self.spec.sample > len(chosen):  # a whole number (a fraction is at most 1)
             why = (f"sample={self.spec.sample:g} asks for more agents a round than the "
                    f"{len(chosen)} enrolled: every round trains all {len(chosen)}")  # fmt: skip
@@ -152,6 +144,28 @@ class Coordinator(SegmentRunner):
             params=p.initial if spec.init == "sent" else None,  # sent, not re-derived
             task=p.task_id.to_dict(),
         )  # fmt: skip
+
+    def _await_agents(self, want: int) -> set[str]:
+        """Until `want` agents are ready (a hello, and online), within the enrolment
+        deadline. `_ready` is a pass over the fleet: it is worked out once there are
+        hellos enough (a ready agent has one), not after every batch of hellos (N^2 at
+        enrolment, hellos coming one by one), and for the dashboard's count at most
+        every `FEED_S`."""
+        deadline = Deadline.after(self.opts.enrol_timeout_s)
+        shown = -FEED_S
+        while True:
+            if len(self.fleet.hellos) >= want and len(ready := self._ready()) >= want:
+                self.feed.online(len(ready))
+                return ready
+            if deadline.expired:
+                raise CoordinatorError(
+                    f"only {len(self._ready())} of {want} agents enrolled within "
+                    f"{self.opts.enrol_timeout_s:g} s: {sorted(self._ready())}"
+                )
+            self._poll(0.2)
+            if time.monotonic() - shown >= FEED_S:
+                self.feed.online(len(self._ready()))
+                shown = time.monotonic()
 
     def _resume(self, ck: Checkpoint) -> Checkpoint:
         why = f"coordinator resumed from round {ck.round}"
