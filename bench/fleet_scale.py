@@ -10,6 +10,7 @@ to 10,000 boards. Enrolment at 1,000 agents must stay under 60 s.
 
     python bench/fleet_scale.py                       # N = 30 50 100 300 1000, ~10 min
     python bench/fleet_scale.py --agents 20 50 --modes star --rounds 5
+    python bench/fleet_scale.py --repeat 3             # each figure the median of 3 runs
     python bench/fleet_scale.py --agents 8 32 100 --modes ring --rounds 5
 
 A ring round is 2(N-1) exchanges in a row between neighbours, which the coordinator
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedring.lab.loadgen_report import fit_table, fits, table
+from fedring.lab.loadgen_report import fit_table, fits, median_row, table
 from fedring.lab.loadgen_run import SCENARIOS, run_scenario
 
 ENROL_LIMIT_S = 60.0
@@ -52,24 +53,35 @@ def main() -> int:
                          "peers' (as real agents), every agent's (real ones before issue "
                          "29), none")  # fmt: skip
     ap.add_argument("--no-presence", action="store_true", help="the same as --presence none")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each scenario and N; the table takes each figure's "
+                         "median (a loaded machine's noise hides or fakes curvature)")  # fmt: skip
     args = ap.parse_args()
     presence = "none" if args.no_presence else args.presence
-    rows = []
+    if args.repeat < 1:
+        ap.error(f"--repeat {args.repeat}: must be 1 or more")
+    rows, loads = [], os.getloadavg()
     for mode in args.modes:
         for n in sorted(args.agents):
             started = time.monotonic()
-            row = run_scenario(mode, n, args.rounds, args.out / f"{mode}-{n}",
-                               presence=presence)  # fmt: skip
+            runs = [run_scenario(mode, n, args.rounds, args.out / f"{mode}-{n}-{i}",
+                                 presence=presence) for i in range(args.repeat)]  # fmt: skip
+            row = median_row(runs) if args.repeat > 1 else runs[0]
+            row["load_avg_1min"] = round(os.getloadavg()[0], 2)  # the machine is shared
             rows.append(row)
             print(f"{mode:8} N={n:5}: enrol {row['enrol_s']} s, coordinator "
                   f"{row['coordinator_cpu_rounds_s']} s CPU over {row['rounds']} rounds, "
                   f"broker {row['broker_cpu_rounds_s']} s, RSS {row['coordinator_rss_mb']} MB, "
-                  f"{row['loadgen']['statuses_heard']} statuses heard by the agents"
+                  f"{row['loadgen']['statuses_heard']} statuses heard by the agents, load "
+                  f"{row['load_avg_1min']}"
                   f"{_ring_line(row)} ({time.monotonic() - started:.0f} s)", file=sys.stderr,
                   flush=True)  # fmt: skip
     found = fits(rows)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
-    result = {"machine": machine, "presence": presence, "rows": rows, "fits": found}
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, load average "
+               f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} (1, 5, 15 min) at the end, "
+               f"{' '.join(f'{x:.1f}' for x in loads)} at the start")  # fmt: skip
+    result = {"machine": machine, "presence": presence, "repeat": args.repeat, "rows": rows,
+              "fits": found}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fleet_scale.json").write_text(json.dumps(result, indent=1, sort_keys=True))
     md = f"Machine: {machine}.\n\n{table(rows)}\n\nFits against N:\n\n{fit_table(found)}\n"

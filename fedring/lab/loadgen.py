@@ -80,6 +80,8 @@ class LoadSettings:
 @dataclass
 class AgentTimes:
     hello: float = 0.0  # monotonic time of the first hello
+    manifest: float = 0.0  # of the first manifest received
+    model: float = 0.0  # of the first checkpoint's model received
     ack: float = 0.0  # of the ack of the first manifest
     done: float = 0.0  # of the bye
     rounds: int = 0
@@ -236,6 +238,7 @@ class ProtocolAgent:
     def _on_manifest(self, msg: ControlMessage) -> None:
         doc = msg.doc
         self.times.manifests += 1
+        self.times.manifest = self.times.manifest or time.monotonic()
         if self.seg is not None and self.seg.task is not None:
             self.seg.task.cancel()
         spec = doc["spec"]
@@ -273,6 +276,7 @@ class ProtocolAgent:
         seg = self.pending
         if seg is None or msg.job != seg.job or msg.round != seg.start:
             return
+        self.times.model = self.times.model or time.monotonic()
         self.params.numel = self.params.numel or len(msg.blob) // 4
         self._begin(seg)
 

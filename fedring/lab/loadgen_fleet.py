@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedring.lab.loadgen import LoadSettings, ProtocolAgent
+from fedring.lab.loadgen import AgentTimes, LoadSettings, ProtocolAgent
 from fedring.lab.loadgen_payloads import Params
 from fedring.lab.loadgen_ring import RingStats
 
@@ -108,6 +108,7 @@ class LoadFleet:
             "enrol_s": None if enrol is None else round(enrol, 3),  # first hello to last ack
             # the coordinator's part: from the fleet's last hello to its last ack
             "enrol_after_hellos_s": None if enrol is None else round(max(acks) - max(hellos), 3),
+            "enrol_phases": enrol_phases(times),
             "acked": len(acks),
             "finished": sum(1 for a in self.agents if a.finished.is_set()),
             "rounds_max": max(t.rounds for t in times),
@@ -143,3 +144,19 @@ class LoadFleet:
             "ring_steps": [r.steps for r in rings],
             "ring_step_bodies": [r.step_bodies for r in rings],  # each agent's first round
         }
+
+
+def enrol_phases(times: list[AgentTimes]) -> dict[str, float]:
+    """When, in seconds after the fleet's last hello, the first and the last agent got
+    its manifest and its checkpoint's model and sent its ack: where the coordinator's
+    part of enrolment goes (empty until every agent has said hello)."""
+    if not times or not all(t.hello for t in times):
+        return {}
+    last = max(t.hello for t in times)
+    out: dict[str, float] = {}
+    for name in ("manifest", "model", "ack"):
+        seen = [getattr(t, name) for t in times if getattr(t, name)]
+        if seen:
+            out[f"first_{name}_s"] = round(min(seen) - last, 3)
+            out[f"last_{name}_s"] = round(max(seen) - last, 3)
+    return out

@@ -72,6 +72,29 @@ def value(row: dict[str, Any], key: str, per_round: bool) -> float:
     return 1000.0 * v / max(int(row["rounds"]), 1) if per_round else v
 
 
+# A scenario's figures that `median_row` takes the median of over repeated runs.
+MEDIAN_KEYS = (
+    *(key for _, key, _ in FIGURES), "connected_s", "coordinator_cpu_enrol_s",
+    "broker_cpu_enrol_s", "loadgen_cpu_rounds_s", "broker_rss_mb",
+)  # fmt: skip
+
+
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for several runs of a scenario at one N: each figure's median (over the
+    runs that have it), the rest from the first run; ``runs`` keeps every run's figures
+    and enrolment phases (`loadgen_fleet.enrol_phases`)."""
+    if not runs:
+        raise ValueError("median_row needs one run at least")
+    row = dict(runs[0])
+    for key in dict.fromkeys(MEDIAN_KEYS):
+        seen = [r[key] for r in runs if r.get(key) is not None]
+        row[key] = round(float(np.median(seen)), 3) if seen else None
+    row["runs"] = [{**{k: r.get(k) for k in dict.fromkeys(MEDIAN_KEYS)},
+                    "enrol_phases": r.get("loadgen", {}).get("enrol_phases", {})}
+                   for r in runs]  # fmt: skip
+    return row
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """A markdown table: one line per scenario and N."""
     head = ["scenario", "agents", "rounds", *(c for c, _, _ in FIGURES)]

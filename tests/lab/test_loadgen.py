@@ -271,6 +271,34 @@ def test_fit_tells_quadratic_from_linear() -> None:
     assert "| star | 1000 | 10 | 10 |" in table(rows)
 
 
+def test_repeated_runs_give_each_figures_median_and_keep_every_run() -> None:
+    from fedring.lab.loadgen_report import median_row
+
+    runs = [{"mode": "star", "agents": 30, "rounds": 2, "enrol_s": e, "train_s": t,
+             "loadgen": {"enrol_phases": {"last_ack_s": e}}}
+            for e, t in ((0.9, 1.0), (0.1, 3.0), (0.2, None))]  # fmt: skip
+    row = median_row(runs)
+    assert row["enrol_s"] == 0.2 and row["train_s"] == 2.0  # a figure a run lacks: left out
+    assert row["coordinator_rss_mb"] is None and row["mode"] == "star"
+    assert [r["enrol_s"] for r in row["runs"]] == [0.9, 0.1, 0.2]
+    assert row["runs"][1]["enrol_phases"] == {"last_ack_s": 0.1}
+    with pytest.raises(ValueError, match="one run at least"):
+        median_row([])
+
+
+def test_enrolment_phases_count_from_the_last_hello() -> None:
+    from fedring.lab.loadgen import AgentTimes
+    from fedring.lab.loadgen_fleet import enrol_phases
+
+    times = [AgentTimes(hello=1.0, manifest=2.0, model=2.5, ack=2.5),
+             AgentTimes(hello=1.5, manifest=2.25, model=3.0, ack=3.0)]  # fmt: skip
+    assert enrol_phases(times) == {
+        "first_manifest_s": 0.5, "last_manifest_s": 0.75, "first_model_s": 1.0,
+        "last_model_s": 1.5, "first_ack_s": 1.0, "last_ack_s": 1.5,
+    }  # fmt: skip
+    assert enrol_phases([*times, AgentTimes()]) == {}  # one has not said hello yet
+
+
 # -- against Mosquitto and a real coordinator -------------------------------------------
 
 
