@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fedring.aggregation.rules import Aggregation
-from fedring.config import JobSpec, SpecError
+from fedring.config import AUTO_LR, JobSpec, SpecError
 from fedring.counters import Counters
 from fedring.engine.attack import Attack, AttackingReducer
 from fedring.engine.centre import AsyncSettings, CentreSettings
@@ -213,6 +213,44 @@ def optimizer(spec: JobSpec, task: Task, model: nn.Module) -> torch.optim.Optimi
         return opt
     momentum = 0.0 if spec.compressed_sync else spec.momentum
     return torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=momentum)
+
+
+def dense_plan_rates(spec: JobSpec, task: Task) -> tuple[float, float] | None:
+    """(lr, momentum) the dense plans of ``compression = "auto"`` train with: those a
+    ``compression = "none"`` job gets (momentum SGD at the automatic `AUTO_LR`), where
+    the job's own are plain EF-SGD's automatic ones. None where the rates stay: a rate
+    the user set, DGC momentum correction, the task's own optimizer.
+
+    `choose.ROUNDS_AT_FLOOR` is group-top-k's rounds over the dense job's, each with its
+    own rates; a dense plan on EF-SGD's rates (lr 0.1, no momentum) needs nearly
+    group-top-k's rounds (MNIST-1D CNN to 0.85: 410 against 470 and 230; digits MLP to
+    0.95: 70 against 95 and 55, `docs/concepts/collectives.md`), so choosing it would
+    buy a shorter round and none of the rounds the choice was weighed on."""
+    if getattr(task, "optimizer", None) is not None:
+        return None
+    if not (spec.compression_auto and spec.lr_auto and spec.plain_ef_sgd):
+        return None
+    return AUTO_LR, spec.momentum
+
+
+def retune(member: Member, spec: JobSpec, task: Task, dense: bool) -> None:
+    """Give `member`'s optimizer the rates of its epoch's codec (`dense_plan_rates`):
+    each group's base rate and momentum, its momentum buffers dropped on a change (the
+    warm-up and the monitor's halvings go on)."""
+    rates = dense_plan_rates(spec, task)
+    if rates is None:
+        return
+    lr, momentum = rates if dense else (spec.lr, 0.0)
+    inner = member.state.optimizer.optimizer
+    groups = inner.param_groups
+    if all(g.get("initial_lr") == lr and g["momentum"] == momentum for g in groups):
+        return
+    for g in groups:
+        g["initial_lr"], g["lr"], g["momentum"] = lr, lr, momentum
+    inner.state.clear()  # SGD's only state: the momentum buffers
+    factor = member.scaling.factor
+    member.scaling = scaling(spec, inner)
+    member.scaling.factor = factor
 
 
 def member(

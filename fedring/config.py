@@ -30,6 +30,8 @@ INITS = ("sent", "derived")
 RESYNCS = ("mixed", "always", "never")  # as `engine.resync.RESYNC_POLICIES`
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # fedring.pipeline.schedule.SCHEDULES
 ACTIVATION_DTYPES = ("fp32", "fp16")
+AUTO_LR_EF_SGD = 0.1  # lr 0 (auto) under group-top-k sync: plain EF-SGD, no momentum
+AUTO_LR = 0.025  # lr 0 (auto) otherwise: momentum SGD
 PIPELINE_COSTS = ("counted", "measured")
 TASK_REF = re.compile(r"[A-Za-z_][\w.-]*(:[A-Za-z_]\w*)?")
 
@@ -99,6 +101,7 @@ class JobSpec:
     # Base learning rate for one node at ref_batch (x N with linear scaling); 0 = auto:
     # 0.1 for group-top-k in sync mode (plain EF-SGD), else 0.025 (momentum SGD).
     lr: float = 0.0
+    lr_auto: bool = False  # set where lr was 0: the dense plan of compression "auto" retunes
     ref_batch: int = 32  # batch size that lr was tuned for
     lr_scaling: str = "linear"  # linear | sqrt | none (only when updates are averaged)
     warmup_steps: int = 50  # gradual warm-up to the scaled lr (Goyal et al. 2017)
@@ -234,7 +237,8 @@ class JobSpec:
             )
         _check_collective(self, agg.kind)
         if self.lr == 0:  # auto, once the aggregation is known to parse
-            object.__setattr__(self, "lr", 0.1 if self.plain_ef_sgd else 0.025)
+            object.__setattr__(self, "lr", AUTO_LR_EF_SGD if self.plain_ef_sgd else AUTO_LR)
+            object.__setattr__(self, "lr_auto", True)
 
     @property
     def compressed_sync(self) -> bool:

@@ -270,6 +270,7 @@ class JobWorker:
                             algorithm=segment_collective(seg, spec)), seg.weight,
                    counters)  # fmt: skip
         m.state.optimizer.reducer.dense = seg.codec == "dense"
+        build.retune(m, spec, self.task, dense=seg.codec == "dense")  # the codec's own rates
 
         def before(r: int) -> None:
             if gate is not None:

@@ -1,6 +1,7 @@
 """``compression = "auto"`` over a real Mosquitto: the coordinator's plan names the
 codec too, the manifests carry it, and a re-plan from group-top-k to the dense ring
-mid-job keeps the members identical and flushes their error-feedback residuals."""
+mid-job keeps the members identical, flushes their error-feedback residuals and
+trains the dense rounds with the dense job's rates."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from pathlib import Path
 
 from fedring.collective.cost import ALGORITHMS, Choice
-from fedring.config import JobSpec
+from fedring.config import AUTO_LR, AUTO_LR_EF_SGD, JobSpec
 from fedring.coordinator.collectives import CollectivePlans
 from fedring.coordinator.membership import Fleet as MemberFleet
 from fedring.coordinator.service import Coordinator, Options
@@ -76,6 +77,13 @@ def test_a_switch_to_dense_mid_job_flushes_the_residual(
     }
     assert all(r["residual_norm"] > 0 for r in before)  # top-k held some back
     assert all(r["residual_norm"] == 0 for r in after)  # flushed, and nothing held since
+    # the dense rounds train as a dense job: momentum SGD at its automatic rate, both
+    # ramped x N = 4 over the 50 warm-up steps (`build.retune`)
+    def ramp(r: dict) -> float:
+        return 1 + 3 * min(r["round"] - 1, 50) / 50
+
+    assert all(abs(r["lr"] - AUTO_LR_EF_SGD * ramp(r)) < 1e-9 for r in before)
+    assert all(abs(r["lr"] - AUTO_LR * ramp(r)) < 1e-9 for r in after)
     # a dense all-reduce is the plain sum: every entry of the dense rounds goes out
     assert all(r["compression_error"] == 0 for r in after)
 
