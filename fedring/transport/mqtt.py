@@ -140,7 +140,7 @@ class MqttLink:
 
     def connect(self) -> MqttLink:
         """Connect (falling back to MQTT 3.1.1 if asked or needed) and announce presence."""
-        hooks = Hooks(up=self._up, down=self._presence.disconnected,
+        hooks = Hooks(up=self._up, down=self._down,
                       received=self._router.route, own_status=self._session.step_back)  # fmt: skip
         self._conn.connect(hooks)
         return self
@@ -152,6 +152,12 @@ class MqttLink:
         self._presence.connected(reconnect)
         if self.cfg.heartbeat:
             self._heart.start()
+
+    def _down(self) -> None:
+        """The broker is gone for now (paho's thread): presence counts the drop, and the
+        peers watched until the reconnect are subscribed by it (`StatusWatch.down`)."""
+        self._presence.disconnected()
+        self._statuses.down()
 
     def wait_connected(self, deadline: Deadline) -> bool:
         return self._conn.connected.wait(deadline.remaining())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,6 +47,17 @@ def _until(what: str, ok: Callable[[], bool], within: float = 10.0) -> None:
     while not ok():
         assert not deadline.expired, what
         time.sleep(0.02)
+
+
+def _acked(link: MqttLink) -> None:
+    """A fence, two round trips through the broker on `link`'s one connection (in order):
+    after the first, `link` has read every message the broker queued for it before (a
+    will); after the second, the broker has read every packet `link` sent before, those
+    sent in answer to the messages the first let in included (an UNSUBSCRIBE)."""
+    for _ in range(2):
+        info = link._client.publish(f"{topics.ROOT}/test/fence", b"", qos=1)  # type: ignore[union-attr]
+        info.wait_for_publish(5.0)
+        assert info.is_published(), f"{link.me}'s fence was never acknowledged"
 
 
 def _events(link: MqttLink, within: float) -> list[MembershipEvent]:
@@ -106,9 +118,14 @@ def test_an_agent_hears_the_coordinator_and_its_peers_not_the_fleet(broker: Mosq
         assert a.counters.get("status_unwatched") == before  # the stale wildcard was dropped
         a.watch_peers([])
         assert a.peers() == {COORD}  # b is forgotten, without an event
+        _acked(a)  # the broker has read a's UNSUBSCRIBE
+        before = a.counters.get("status_unwatched")
         b.kill()
-        assert [e for e in _events(a, 1.0) if e.name == "b"] == []
-        assert a.counters.get("status_unwatched") <= 1  # b's will, if already on its way
+        _until("the coordinator never saw b lost", lambda: "b" not in coord.peers())
+        _acked(a)  # b's will, had the broker kept a's subscription, has reached a
+        # `hears` would hide a will still sent (no event): the counter says the broker sent none
+        assert a.counters.get("status_unwatched") == before
+        assert [e for e in _events(a, 0.2) if e.name == "b"] == []
 
 
 def test_a_peer_dropped_while_the_broker_is_away_is_not_heard_after_it(
@@ -197,3 +214,74 @@ def test_an_agent_watches_its_peers_under_the_example_acl(tmp_path: Path) -> Non
             _until("a1 never saw a2 and the coordinator", lambda: a1.peers() == {COORD, "a2"})
             a2.kill()
             _until("a1 never lost a2", lambda: a1.peers() == {COORD}, 10)
+
+
+def test_a_watch_while_the_link_reconnects_is_neither_lost_nor_left_behind(
+    broker: Mosquitto,
+) -> None:
+    """A watch that lands after a reconnect subscribed to the peers it knew, but before the
+    link counts as connected (held there by pausing paho's thread in the up hook): b, new,
+    was subscribed by neither; c, dropped, stayed subscribed until the next reconnect."""
+    cfg = BrokerConfig.parse(broker.url)
+    a = MqttLink(cfg, "a", statuses="peers").connect()
+    b, c, spy = (MqttLink(cfg, who).connect() for who in ("b", "c", "spy"))
+    with _links(a, b, c, spy):
+        a.watch_peers(["c"])
+        _until("a never saw c", lambda: "c" in a.peers())
+        connected = a._presence.connected
+        windows: list[bool] = []
+
+        def in_the_window(reconnect: bool) -> None:  # paho's thread, after the SUBSCRIBE
+            if reconnect and not windows:
+                watch = threading.Thread(target=a.watch_peers, args=(["b"],))
+                watch.start()
+                watch.join(5.0)
+                windows.append(not watch.is_alive())
+            connected(reconnect)
+
+        a._presence.connected = in_the_window  # type: ignore[method-assign]
+        broker.stop()
+        _until("a never saw the broker go", lambda: not a._conn.connected.is_set())
+        broker.start()
+        _until("a did not reconnect", lambda: a.counters.get("mqtt_reconnect") >= 1, 20)
+        assert windows == [True]  # the watch ran in the window, and returned
+        _until("a never saw b, watched as it reconnected", lambda: "b" in a.peers())
+        _until("spy never saw c back", lambda: "c" in spy.peers(), 20)
+        _acked(a)
+        before = a.counters.get("status_unwatched")
+        c.close()
+        _until("spy never saw c leave", lambda: "c" not in spy.peers())
+        _acked(a)  # c's goodbye, had the broker kept a's subscription, has reached a
+        assert a.counters.get("status_unwatched") == before and a.peers() == {"b"}
+
+
+@pytest.mark.parametrize(("protocol", "strays"), [("3.1.1", 1), ("5", 0)])
+def test_a_restarted_agent_stops_hearing_its_crashed_predecessors_peers(
+    broker: Mosquitto, protocol: str, strays: int
+) -> None:
+    """A crashed process leaves its per-peer subscriptions in its persistent session, and
+    under MQTT 3.1.1 the next process with its id resumes that session (MQTT 5's first
+    connect starts clean). The new process never watched b: the first status the stale
+    subscription brings is unsubscribed, and the broker sends no more."""
+    cfg = BrokerConfig.parse(f"{broker.url}?protocol={protocol}")
+    spy = MqttLink(cfg, "spy").connect()
+    b = MqttLink(cfg, "b").connect()
+    old = MqttLink(cfg, "a", statuses="peers").connect()
+    old.watch_peers(["b"])
+    _until("the old a never saw b", lambda: "b" in old.peers())
+    _acked(old)
+    old.kill()
+    _until("spy never saw the old a lost", lambda: "a" not in spy.peers())
+    a = MqttLink(cfg, "a", statuses="peers").connect()
+    with _links(a, spy):
+        b.close()
+        _until("spy never saw b leave", lambda: "b" not in spy.peers())
+        _acked(a)
+        first = a.counters.get("status_unwatched")  # b's goodbye (said twice, `Session.close`)
+        assert strays <= first <= 2 * strays and a.peers() == set()
+        b = MqttLink(cfg, "b").connect()  # the broker has read a's UNSUBSCRIBE: no more
+        _until("spy never saw b back", lambda: "b" in spy.peers())
+        b.close()
+        _until("spy never saw b leave again", lambda: "b" not in spy.peers())
+        _acked(a)
+        assert a.counters.get("status_unwatched") == first and a.peers() == set()
