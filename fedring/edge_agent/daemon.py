@@ -256,6 +256,7 @@ class AgentDaemon:
             if isinstance(exc, CodeRefused):  # code or a path this agent does not allow
                 self.counters.add("code_refused")
             log.error("%s refused the job: %s", self.me, exc)
+            self._watch([])  # in no job now: its peers' presence is not ours to hear
             self._send(msg.job, "nack", {"epoch": doc.get("epoch"), "why": f"refused: {exc}"})
             return
         if self.worker.restore(seg.start_round) and (

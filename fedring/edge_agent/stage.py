@@ -185,6 +185,8 @@ class StageHost:
             if isinstance(exc, CodeRefused):  # code or a path this agent does not allow
                 self.counters.add("code_refused")
             log.error("%s refused pipeline job %s: %s", self.me, msg.job, exc)
+            if self.link is not None:  # in no job now: an earlier stage's peers are not ours
+                self.link.watch_peers([])
             self.send(msg.job, "nack", {"epoch": doc.get("epoch"), "why": f"refused: {exc}"})
 
     def _prepare(self, doc: dict[str, Any]) -> _StageRun:
