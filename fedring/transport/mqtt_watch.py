@@ -21,9 +21,10 @@ Locking: `watch` runs on the owner's thread; `flush` and `topics` on paho's at e
 (re)connect, `down` at each drop and `hears` for each status. The set of names is
 replaced whole (a frozenset: atomic under the GIL, so `hears` reads it unlocked);
 whether a change goes out at once or at the next connect, and the topics left to
-unsubscribe, are decided under `_lock`. A connect's SUBSCRIBE is made between `topics`
-and the link counting as connected: a `watch` there goes out at once (``_live`` is set
-by `flush`), or it would reach the broker only at the next reconnect.
+unsubscribe, are decided under `_lock`. A (re)connect subscribes to `topics` before the
+link counts as connected: a `watch` from `flush` on goes out at once (``_live``), or it
+would reach the broker only at the next reconnect. A peer dropped between `topics` and
+that SUBSCRIBE is subscribed again by it: its next status is a stray.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from fedring.transport import topics
 from fedring.transport.mqtt_connection import Connection
 
 EVERY_STATUS = f"{topics.ROOT}/agents/+/status"
-# Topics unsubscribed as strays on one connection, at most: past it a stray is only
-# counted (by `Router.route`); strays of many ids come only from an old wildcard.
+# Topics unsubscribed on one connection past which a stray is only counted (by
+# `Router.route`), not unsubscribed: strays of many ids come only from an old wildcard.
 MAX_STRAYS = 1024
 
 log = logging.getLogger("fedring.transport.mqtt")
