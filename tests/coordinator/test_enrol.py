@@ -62,7 +62,7 @@ def test_the_wait_passes_over_the_fleet_a_bounded_number_of_times(tmp_path: Path
     assert ready == {f"a{i:04d}" for i in range(n)}
     assert coord.polls == n
     # Once when the hellos are enough, and the dashboard's count every FEED_S (0.2 s;
-    # this loop takes far less): was n + 1.
+    # this loop takes far less): it was 2 n + 1.
     assert coord.link.passes <= 3  # type: ignore[attr-defined]
     assert coord.feed.snapshot().online == n
 
