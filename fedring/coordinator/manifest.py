@@ -30,7 +30,8 @@ def segment_docs(
     `mixed`: the members run on more than one CPU architecture (`engine.resync`);
     `collective`: the one this segment runs (the job's, or what ``auto`` chose);
     `held`: the sha256 of the state at `start` every member still holds (a re-plan
-    resumes there), else the checkpoint's; `codec`: "dense" where compression "auto"
+    resumes there, its optimizer state too: the manifest says ``held``), else the
+    checkpoint's (its parameters only); `codec`: "dense" where compression "auto"
     chose dense fp32 for the segment, else "" (the job's codec)."""
     table = ShardManifest.from_dict(ck.shard_manifest)
     entry = shard_entries(table)
@@ -62,6 +63,7 @@ def segment_docs(
             "params_sha256": params_sha256, "max_frame_bytes": frame_bytes,
             "task": ck.task or None, "mode": mode, "mixed": mixed, "collective": collective,
             **({"codec": codec} if codec else {}),
+            **({"held": True} if held else {}),
         }
         for rank, agent in enumerate(members)
     }  # fmt: skip

@@ -259,7 +259,7 @@ class AgentDaemon:
             self._watch([])  # in no job now: its peers' presence is not ours to hear
             self._send(msg.job, "nack", {"epoch": doc.get("epoch"), "why": f"refused: {exc}"})
             return
-        if self.worker.restore(seg.start_round) and (
+        if self.worker.restore(seg.start_round, whole=seg.held) and (
             not seg.params_sha256 or self.worker.state_sha256(seg.start_round) == seg.params_sha256
         ):
             self._start(seg)

@@ -24,7 +24,7 @@ def read_segment(doc: dict[str, Any], me: str) -> Segment:
         max_frame_bytes=int(doc.get("max_frame_bytes", 0)),
         asynchronous=doc.get("mode") == "async", weight=float(doc.get("weight", 0.0)),
         mixed=doc.get("mixed") is True, collective=collective(doc),
-        codec=codec(doc),
+        codec=codec(doc), held=doc.get("held") is True,
     )  # fmt: skip
     if seg.members[int(doc["rank"])] != me:
         raise JobRefused(f"{me} is not rank {doc['rank']} of the ring: {doc['peers']}")

@@ -94,6 +94,9 @@ class Segment:
     mixed: bool = False  # the members run on more than one CPU architecture (re-sync)
     collective: str = ""  # ring | fanout | hub: what the coordinator planned; "": the job's
     codec: str = ""  # "dense": compression "auto" chose dense fp32 here; "": the job's
+    # every member holds the state at start_round (a re-plan): it goes on with all of it;
+    # else the start is a checkpoint's, its parameters only (`JobWorker.restore`)
+    held: bool = False
 
     @property
     def channel_job(self) -> str:
@@ -191,8 +194,11 @@ class JobWorker:
             return None
         return flat_sha256(torch.cat([st["model"][n].reshape(-1) for n in self._param_names]))
 
-    def restore(self, r: int) -> bool:
-        """Return to the state at the start of round `r`, if still held."""
+    def restore(self, r: int, *, whole: bool = True) -> bool:
+        """Return to the state at the start of round `r`, if still held. Not `whole`
+        (a ring re-formed from a checkpoint, `Segment.held` false): its parameters only,
+        as a member that lost the state loads them (`load`), so that momentum buffers and
+        a delayed gradient do not part the members that kept theirs from one that did not."""
         if r == 0 and not self.states and self.initial is not None:
             self.committed = 0
             return True  # the derived start, untouched
@@ -200,6 +206,8 @@ class JobWorker:
         if st is None or self.member is None:
             return False
         self.member.state.restore(st)
+        if not whole:
+            self.member.state.load_params(self.params)
         self.committed = r
         return True
 

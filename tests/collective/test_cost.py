@@ -165,6 +165,12 @@ def test_the_manifest_names_the_planned_collective_and_its_contacts() -> None:
     unplanned = segment_docs(ck, members, 0, 0, 0)
     assert {d["collective"] for d in unplanned.values()} == {"ring"}
     assert len(unplanned["a0"]["peers"]) == 3  # itself and its two neighbours
+    # a re-plan's start every member holds says so; a checkpoint's does not
+    from fedring.edge_agent.manifest import read_segment
+
+    held = segment_docs(ck, members, 1, 30, 0, held="ab" * 32)
+    assert held["a1"]["params_sha256"] == "ab" * 32 and read_segment(held["a1"], "a1").held
+    assert "held" not in unplanned["a1"] and not read_segment(unplanned["a1"], "a1").held
 
 
 def test_simulate_plans_auto_from_in_process_probes() -> None:
