@@ -236,9 +236,12 @@ class JobSpec:
                 f"{self.aggregation!r}, topology={self.topology!r}, bucket_kb={self.bucket_kb}"
             )
         _check_collective(self, agg.kind)
+        automatic = AUTO_LR_EF_SGD if self.plain_ef_sgd else AUTO_LR
         if self.lr == 0:  # auto, once the aggregation is known to parse
-            object.__setattr__(self, "lr", AUTO_LR_EF_SGD if self.plain_ef_sgd else AUTO_LR)
+            object.__setattr__(self, "lr", automatic)
             object.__setattr__(self, "lr_auto", True)
+        elif self.lr != automatic:  # a rate set over a resolved job (its lr_auto kept)
+            object.__setattr__(self, "lr_auto", False)
 
     @property
     def compressed_sync(self) -> bool:

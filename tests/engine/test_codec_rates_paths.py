@@ -50,15 +50,6 @@ def test_the_resolved_spec_keeps_lr_auto_and_an_older_one_keeps_its_rates() -> N
     assert build.dense_plan_rates(older, task) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "lr_auto is taken from the input as given and never checked against lr: a job file "
-        "written back resolved (lr = 0.1, lr_auto = true) with the user's own lr over it "
-        "still has lr_auto, so its dense plans train at 0.025 with momentum, not at the rate "
-        "the user set (docs/concepts/collectives.md: 'A rate you set ... left alone')"
-    ),
-)
 def test_a_rate_set_over_a_written_back_resolved_job_is_left_alone(tmp_path: Path) -> None:
     resolved = JobSpec.from_mapping(AUTO)
     config = Path(write_outputs(tmp_path, resolved, {"rows": []})["config"])
