@@ -16,13 +16,8 @@ settings.load_profile("fedring")
 # after another on one worker, so they never contend with themselves (Flower's
 # SuperLink/Ray sessions; the lab's namespaces, which its clean-up finds by prefix).
 # Everything else (in-process tests) is spread over both workers.
-# The first lane a test's path matches is its lane. The MQTT suite is two lanes (about
-# 600 s each in one run here, 1,221 s as one: the whole suite's critical path), each
-# file in one (module-scoped brokers and fleets).
 LANES = {
     "flower": ("tests/flower/", "tests/bench/test_flower_fedavg.py"),
-    "mqtt-jobs": tuple(f"tests/mqtt/test_{name}" for name in (
-        "job.py", "pipeline", "hostile_code.py", "degrade.py", "async.py", "bench.py")),
     "mqtt": ("tests/mqtt/",),
     "monitor": ("tests/monitor/",),  # its own broker and fleet: beside the mqtt lane
     "brokers": ("tests/brokers/",),  # other broker implementations and capped brokers
@@ -39,4 +34,3 @@ def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-unt
         for lane, prefixes in LANES.items():
             if path.startswith(prefixes):
                 item.add_marker(pytest.mark.xdist_group(lane))
-                break
