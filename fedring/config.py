@@ -30,9 +30,9 @@ INITS = ("sent", "derived")
 RESYNCS = ("mixed", "always", "never")  # as `engine.resync.RESYNC_POLICIES`
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # fedring.pipeline.schedule.SCHEDULES
 ACTIVATION_DTYPES = ("fp32", "fp16")
+PIPELINE_COSTS = ("counted", "measured")
 AUTO_LR_EF_SGD = 0.1  # lr 0 (auto) under group-top-k sync: plain EF-SGD, no momentum
 AUTO_LR = 0.025  # lr 0 (auto) otherwise: momentum SGD
-PIPELINE_COSTS = ("counted", "measured")
 TASK_REF = re.compile(r"[A-Za-z_][\w.-]*(:[A-Za-z_]\w*)?")
 
 

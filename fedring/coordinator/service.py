@@ -90,11 +90,11 @@ class Coordinator(SegmentRunner):
             while True:
                 if not members:
                     raise CoordinatorError("no agent holding a shard is online")
-                if self.replanning and last:
+                start, held = ck.round, ""
+                if self.replanning and last:  # the same ring goes on from where it halted
                     members = decide.same_order(members, last.members)
-                ep = Epoch(epoch, members, ck.round)
-                if self.replanning and last:  # the same members go on from where they halted
-                    ep.start, ep.held = self._held_round(last, members) or (ck.round, "")
+                    start, held = self._held_round(last, members) or (ck.round, "")
+                ep = Epoch(epoch, members, start, held=held)
                 self.replanning = False
                 done, last = self._run_segment(ep), ep
                 ended = decide.outcome(done, self.degrade.returning, self.replanning)
