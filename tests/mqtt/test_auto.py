@@ -57,7 +57,10 @@ def test_auto_plans_again_when_the_ring_re_forms(broker: Mosquitto, fleet: Fleet
     summary = finish(proc)
     plans = summary["collective"]
     assert summary["reformations"] >= 1 and len(plans) == summary["epochs"] >= 2
-    assert [p["members"] for p in plans][:2] == [4, 3]  # planned for the ring without a2
+    sizes = [p["members"] for p in plans]
+    # planned for the ring without a2 (after it, as CI saw once, where the in-job check
+    # or a stall re-formed the four first)
+    assert sizes[0] == 4 and 3 in sizes[1:], sizes
     assert all(set(p["predicted_s"]) == set(ALGORITHMS) for p in plans)
     n = len(summary["members"])
     assert plans[-1]["members"] == n
