@@ -34,6 +34,7 @@ the link is the bottleneck (group-top-k's round is then 10 to 20x shorter) and k
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
@@ -50,6 +51,7 @@ from fedring.collective.cost import (
 )
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.policy import FLOOR
+from fedring.compression.schedule import DensitySchedule
 from fedring.config import JobSpec
 
 HEADER_BYTES = 64  # a compact frame's header is at most this (`wire.compact`)
@@ -141,11 +143,47 @@ def to_target(spec: JobSpec, plan: str, allreduce_s: float, compute_s: float = 0
     return rounds_factor(spec, plan) * (max(compute_s, 0.0) + allreduce_s)
 
 
-def choose_plan(spec: JobSpec, numel: int, probes: list[Probe], compute_s: float = 0.0) -> Choice:
+def sent_densities(spec: JobSpec, start: int, rounds: int) -> Counter[float]:
+    """How many of rounds ``[start, start + rounds)`` group-top-k sends at each density:
+    the DGC warm-up's stages, the target, the closing flush (`compression.schedule`)."""
+    schedule = DensitySchedule.of(float(spec.density), spec.density_warmup, spec.rounds,
+                                  spec.density_flush)  # fmt: skip
+    end = max(start + 1, min(start + rounds, spec.rounds))
+    if schedule is None:
+        return Counter({float(spec.density): end - start})
+    return Counter(schedule.density(r) for r in range(start, end))
+
+
+def horizon_seconds(spec: JobSpec, numel: int, probes: list[Probe], candidates: tuple[str, ...],
+                    start: int, rounds: int) -> dict[str, float]:  # fmt: skip
+    """Each group-top-k plan's mean all-reduce over the `rounds` from `start` it holds
+    before the job checks it: in a warm-up the payloads are 4 to 25x the target's, and
+    fan-out's downlink carries N-1 of them where the ring's carries 2(N-1)/N, so a plan
+    made for the target density alone can be the slower one for the whole of a short
+    job (the 1 M-parameter MLP at 10 Mbit/s, 20 ms: 20 rounds, all in the warm-up;
+    `docs/lab.md`). Empty where the job sends its target density all through."""
+    sent = sent_densities(spec, start, rounds)
+    if spec.compression != "group-topk" or set(sent) == {float(spec.density)}:
+        return {}
+    total = sum(sent.values())
+    out = {}
+    for plan in candidates:
+        if codec_of(plan) == "dense":
+            continue
+        out[plan] = sum(n * predict(plan, probes, workload(spec.replace(density=d), numel))
+                        for d, n in sent.items()) / total  # fmt: skip
+    return out
+
+
+def choose_plan(spec: JobSpec, numel: int, probes: list[Probe], compute_s: float = 0.0,
+                start: int = 0, horizon: int = 0) -> Choice:  # fmt: skip
     """The job's own collective, or under ``auto`` (collective or compression) the plan
     predicted to reach the target first for `probes` (one per member, in ring order:
     rank 0 is the hub) and a round's compute of `compute_s` (`to_target`; 0: unknown):
-    the coordinator's, each epoch. The choice's ``predicted_s`` stay all-reduce seconds."""
+    the coordinator's, each epoch. The choice's ``predicted_s`` stay all-reduce seconds
+    at the target density; where the plan holds for `horizon` rounds from `start`
+    before it is checked (the coordinator's first check), it is chosen by its mean over
+    them (`horizon_seconds`: the density warm-up's payloads counted)."""
     work = workload(spec, numel)
     if not choosing(spec):
         only = plans(spec)[0]  # the job's collective ("auto" with one candidate: the ring)
@@ -154,6 +192,8 @@ def choose_plan(spec: JobSpec, numel: int, probes: list[Probe], compute_s: float
     choice = choose(probes, work, candidates)
     if not all(math.isfinite(v) for v in choice.predicted_s.values()):
         return choice  # the first listed (`collective.cost.choose`)
-    time = {a: to_target(spec, a, v, compute_s) for a, v in choice.predicted_s.items()}
+    over = horizon_seconds(spec, numel, probes, candidates, start, horizon) if horizon else {}
+    choice = Choice(choice.algorithm, choice.predicted_s, over)
+    time = {a: to_target(spec, a, choice.expected(a), compute_s) for a in candidates}
     best = min(candidates, key=lambda a: (time[a], candidates.index(a)))
-    return Choice(best, choice.predicted_s)
+    return Choice(best, choice.predicted_s, over)

@@ -37,7 +37,7 @@ shows (`docs/lab.md`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fedring.collective.torus import layout_dims
 
@@ -106,14 +106,26 @@ def codec_of(plan: str, compression: str = "group-topk") -> str:
 class Choice:
     algorithm: str  # the chosen plan: a collective, or DENSE + a collective
     predicted_s: dict[str, float]  # every candidate's predicted all-reduce seconds
+    # each candidate's mean all-reduce over the rounds the plan holds before it is
+    # checked (the density warm-up's payloads included); empty: `predicted_s`
+    horizon_s: dict[str, float] = field(default_factory=dict)
+
+    def expected(self, plan: str) -> float:
+        """What a plan is chosen by: its mean over the horizon, else its prediction."""
+        return self.horizon_s.get(plan, self.predicted_s[plan])
 
     @property
     def collective(self) -> str:
         return collective_of(self.algorithm)
 
     def to_dict(self) -> dict[str, object]:
-        return {"chosen": self.algorithm,
-                "predicted_s": {k: round(v, 6) for k, v in self.predicted_s.items()}}  # fmt: skip
+        out: dict[str, object] = {
+            "chosen": self.algorithm,
+            "predicted_s": {k: round(v, 6) for k, v in self.predicted_s.items()},
+        }
+        if self.horizon_s:
+            out["horizon_s"] = {k: round(v, 6) for k, v in self.horizon_s.items()}
+        return out
 
 
 def ring_seconds(probes: list[Probe], work: Workload) -> float:

@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_ROUNDS = 20  # the head's rows an ``auto`` epoch measures before it checks
 TRY_WITHIN = 1.25  # try a collective predicted within this factor of the measured one
+# Each broker step's cost the probes miss, until the job has measured its own (`replan`):
+# the least the edge lab's grid measured (1.1 ms a step: the CNN's ring at 1 Mbit/s;
+# 3.7 to 7 ms elsewhere, `docs/lab.md`). Zero made the first plan of a short job count
+# the ring's six steps as free beside fan-out's one.
+HOP_PRIOR_S = 1e-3
 
 
 @dataclass
@@ -89,10 +94,12 @@ def warmup_rounds(spec: JobSpec) -> int:
 
 
 class CollectivePlans:
-    def __init__(self) -> None:
+    def __init__(self, hop_prior_s: float = HOP_PRIOR_S) -> None:
         self.epochs: list[_Planned] = []
         self.saves: list[float] = []  # seconds each checkpoint took to write
-        self.hop_s = 0.0  # learned from the first measured epoch of an ``auto`` job
+        # each step's unseen cost: the prior, then learned from the first measured
+        # epoch of an ``auto`` job
+        self.hop_s = hop_prior_s
         self.learned = False
         # median measured all-reduce of each collective that ran, per member list
         self.measured: dict[tuple[str, ...], dict[str, float]] = {}
@@ -105,7 +112,10 @@ class CollectivePlans:
         """The collective of `members` from round `start` (logged and kept)."""
         probes = [replace(fleet.cost_probe(a), hop_s=self.hop_s) for a in members]
         compute = _round_compute(spec, fleet, members)
-        choice = choose_plan(spec.replace(agents=len(members)), numel, probes, compute)
+        # the rounds this plan holds before `replan` first checks it (`observe`)
+        horizon = max(warmup_rounds(spec), start + 2) + CALIBRATION_ROUNDS + 1 - start
+        choice = choose_plan(spec.replace(agents=len(members)), numel, probes, compute,
+                             start, horizon)  # fmt: skip
         self.codecs = codec_choosable(spec)
         if choosing(spec):
             expected = self._expected(members, choice)
@@ -113,7 +123,7 @@ class CollectivePlans:
             best = min(time, key=time.__getitem__)  # a tie: the first listed
             if self.pending in expected and self.epochs and self.epochs[-1].members == members:
                 best = self.pending  # a re-plan's trial, or the best measured after trials
-            choice = Choice(best, choice.predicted_s)
+            choice = Choice(best, choice.predicted_s, choice.horizon_s)
         self.pending = ""
         self.epochs = [p for p in self.epochs if p.epoch != epoch]
         self.epochs.append(_Planned(epoch, list(members), start, choice, numel, probes,
@@ -124,9 +134,10 @@ class CollectivePlans:
         return choice.collective
 
     def _expected(self, members: list[str], choice: Choice) -> dict[str, float]:
-        """Each candidate's all-reduce: measured on these members, else predicted."""
+        """Each candidate's all-reduce: measured on these members, else predicted (over
+        the plan's horizon where the warm-up falls in it)."""
         seen = self.measured.get(tuple(members), {})
-        return {a: seen.get(a, v) for a, v in choice.predicted_s.items()}
+        return {a: seen.get(a, choice.expected(a)) for a in choice.predicted_s}
 
     def observe(self, spec: JobSpec, rnd: int, row: dict[str, Any]) -> None:
         """Keep the head's measured all-reduce of round `rnd` (past the warm-up)."""
@@ -158,7 +169,9 @@ class CollectivePlans:
         predicted = planned.choice.predicted_s[chosen]
         if not self.learned:
             n = steps(chosen, world, spec.topology)
-            self.hop_s = max(0.0, (measured - predicted) / n) if n else 0.0
+            # the prediction held the plan's step cost already: the excess is beyond it
+            excess = (measured - predicted) / n if n else 0.0
+            self.hop_s = max(0.0, planned.hop_s + excess) if n else 0.0
             self.learned = True
         if key in self.settled:
             return ""

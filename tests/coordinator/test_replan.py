@@ -15,6 +15,8 @@ from fedring.coordinator.collectives import (
 )
 from fedring.coordinator.membership import Fleet
 
+# Each plan here starts with no step cost beyond the probes' (`HOP_PRIOR_S` is
+# `test_plan_horizon`'s), so a test's measured excess is the step cost it learns.
 MEMBERS = ["a0", "a1", "a2", "a3"]
 NUMEL = 5210  # the MNIST-1D CNN
 # 1 Mbit/s up, a low probed down rate, a near broker: the model puts the ring first
@@ -46,7 +48,7 @@ def rows_from(plans: CollectivePlans) -> int:
 
 
 def test_a_ring_slower_than_predicted_per_step_tries_fanout_and_keeps_it() -> None:
-    job, plans, f = spec(), CollectivePlans(), fleet()
+    job, plans, f = spec(), CollectivePlans(hop_prior_s=0.0), fleet()
     assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring"
     predicted = plans.epochs[0].choice.predicted_s
     assert predicted["ring"] < predicted["fanout"]
@@ -72,7 +74,7 @@ def test_a_ring_slower_than_predicted_per_step_tries_fanout_and_keeps_it() -> No
 def test_a_close_runner_up_is_tried_and_the_faster_measured_kept() -> None:
     """The model can over-predict too: the runner-up within `TRY_WITHIN` is run, and the
     job goes back to its first choice when that measured faster."""
-    job, plans, f = spec(), CollectivePlans(), fleet()
+    job, plans, f = spec(), CollectivePlans(hop_prior_s=0.0), fleet()
     plans.plan(job, 0, MEMBERS, f, NUMEL, 0)
     predicted = plans.epochs[0].choice.predicted_s
     assert predicted["fanout"] <= TRY_WITHIN * predicted["ring"]  # close: worth a try
@@ -87,17 +89,17 @@ def test_a_close_runner_up_is_tried_and_the_faster_measured_kept() -> None:
 
 def test_candidates_predicted_far_off_and_fixed_collectives_are_not_tried() -> None:
     job, f = spec(), fleet()
-    plans = CollectivePlans()
+    plans = CollectivePlans(hop_prior_s=0.0)
     plans.plan(job, 0, MEMBERS, f, NUMEL, 0)
     predicted = plans.epochs[0].choice.predicted_s
     fast = predicted["fanout"] / (2 * TRY_WITHIN)  # the ring twice as fast as fanout could be
     assert feed(plans, job, rows_from(plans), fast, 3 * CALIBRATION_ROUNDS) == ""
     assert tuple(MEMBERS) in plans.settled
-    fixed = CollectivePlans()
+    fixed = CollectivePlans(hop_prior_s=0.0)
     fixed.plan(spec("ring"), 0, MEMBERS, f, NUMEL, 0)
     assert feed(fixed, spec("ring"), rows_from(fixed), 1.0, 3 * CALIBRATION_ROUNDS) == ""
     # a long compute a round brings no plan within reach: the tolerance is the all-reduce's
-    slow = CollectivePlans()
+    slow = CollectivePlans(hop_prior_s=0.0)
     slow.plan(job, 0, MEMBERS, f, NUMEL, 0)
     first = rows_from(slow)
     for r in range(first, first + 3 * CALIBRATION_ROUNDS):
@@ -106,14 +108,16 @@ def test_candidates_predicted_far_off_and_fixed_collectives_are_not_tried() -> N
 
 
 def test_warm_up_rounds_and_a_new_rings_first_rounds_are_not_measured() -> None:
-    job, plans = spec(), CollectivePlans()
+    job, plans = spec(), CollectivePlans(hop_prior_s=0.0)
     warm = warmup_rounds(job)
     plans.plan(job, 0, MEMBERS, fleet(), NUMEL, 0)
     assert feed(plans, job, 1, 1.0, warm) == ""  # denser payloads: skipped
     assert plans.epochs[0].comm == []
     assert feed(plans, job, warm + 1, 1.0, CALIBRATION_ROUNDS - 1) == ""  # not yet enough
     assert len(plans.epochs[0].comm) == CALIBRATION_ROUNDS - 1
-    late = CollectivePlans()  # a ring re-formed at round 100: its first two rows skipped
+    late = CollectivePlans(
+        hop_prior_s=0.0
+    )  # a ring re-formed at round 100: its first two rows skipped
     late.plan(job, 1, MEMBERS, fleet(), NUMEL, 100)
     assert feed(late, job, 101, 1.0, 2) == "" and late.epochs[0].comm == []
     # a dense plan sends no warm-up's denser payloads: measured from its third round
@@ -121,7 +125,7 @@ def test_warm_up_rounds_and_a_new_rings_first_rounds_are_not_measured() -> None:
                                   "compression": "auto"})  # fmt: skip
     gbit = {**HELLO, "up_bps": 1.25e8, "down_bps": 1.25e8, "encode_s": [2e-4, 4e-6]}
     fast = Fleet(hellos={a: dict(gbit) for a in MEMBERS})
-    first = CollectivePlans()
+    first = CollectivePlans(hop_prior_s=0.0)
     first.plan(dense, 0, MEMBERS, fast, NUMEL, 0)
     assert first.codec() == "dense" and warmup_rounds(dense) > 3
     feed(first, dense, 1, 1.0, 3)
@@ -131,7 +135,7 @@ def test_warm_up_rounds_and_a_new_rings_first_rounds_are_not_measured() -> None:
 def test_every_candidate_runs_at_most_once_before_the_members_settle() -> None:
     """Whatever is measured, three candidates give at most three re-plans: two tries
     and one settling."""
-    job, plans, f = spec(), CollectivePlans(), fleet()
+    job, plans, f = spec(), CollectivePlans(hop_prior_s=0.0), fleet()
     algorithm, said = plans.plan(job, 0, MEMBERS, f, NUMEL, 0), []
     for epoch in range(1, 10):
         slow = plans.epochs[-1].choice.predicted_s["hub"] * 3  # nothing is ever fast
@@ -151,7 +155,7 @@ def test_compression_auto_tries_dense_when_group_topk_measures_slow_and_keeps_it
     the rows and the summary name the codec."""
     job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
                                 "compression": "auto"})  # fmt: skip
-    plans, f = CollectivePlans(), fleet()
+    plans, f = CollectivePlans(hop_prior_s=0.0), fleet()
     assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring" and plans.codec() == ""
     predicted = plans.epochs[0].choice.predicted_s
     assert set(predicted) == {"dense ring", "ring"} and predicted["ring"] < predicted["dense ring"]
@@ -172,7 +176,7 @@ def test_compression_auto_tries_dense_when_group_topk_measures_slow_and_keeps_it
 def test_compression_auto_goes_back_to_group_topk_when_dense_measures_slower() -> None:
     job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
                                 "compression": "auto"})  # fmt: skip
-    plans, f = CollectivePlans(), fleet()
+    plans, f = CollectivePlans(hop_prior_s=0.0), fleet()
     plans.plan(job, 0, MEMBERS, f, NUMEL, 0)
     predicted = plans.epochs[0].choice.predicted_s
     slow = 4 * (predicted["dense ring"] - predicted["ring"]) + predicted["ring"]
@@ -186,7 +190,7 @@ def test_compression_auto_goes_back_to_group_topk_when_dense_measures_slower() -
 
 
 def test_a_job_without_compression_auto_has_no_codec_in_its_rows() -> None:
-    plans = CollectivePlans()
+    plans = CollectivePlans(hop_prior_s=0.0)
     plans.plan(spec("ring"), 0, MEMBERS, fleet(), NUMEL, 0)
     assert "codec" not in plans.tag({"round": 1}) and plans.codec() == ""
     assert "codec" not in plans.summary(spec("ring"), {}, fleet())[0]
@@ -200,7 +204,7 @@ def test_compression_auto_tries_dense_when_group_topk_cpu_may_explain_the_excess
                                 "compression": "auto"})  # fmt: skip
     # 20 Mbit/s both ways, group-top-k at 4e-7 s an entry (the loaded sandbox's codec_cost)
     hello = {**HELLO, "up_bps": 2.5e6, "down_bps": 2.5e6, "encode_s": [2e-4, 4e-7]}
-    plans, f = CollectivePlans(), Fleet(hellos={a: dict(hello) for a in MEMBERS})
+    plans, f = CollectivePlans(hop_prior_s=0.0), Fleet(hellos={a: dict(hello) for a in MEMBERS})
     assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring" and plans.codec() == ""
     predicted = plans.epochs[0].choice.predicted_s
     measured = 4 * predicted["ring"]  # as the grid measured `auto` under load
@@ -218,7 +222,7 @@ def test_compression_auto_weighs_the_measured_compute_with_group_topks_extra_rou
     job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
                                 "compression": "auto"})  # fmt: skip
     hello = {**HELLO, "up_bps": 6.25e6, "down_bps": 6.25e6}  # 50 Mbit/s
-    plans, f = CollectivePlans(), Fleet(hellos={a: dict(hello) for a in MEMBERS})
+    plans, f = CollectivePlans(hop_prior_s=0.0), Fleet(hellos={a: dict(hello) for a in MEMBERS})
     assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring" and plans.codec() == ""
     predicted = plans.epochs[0].choice.predicted_s
     assert predicted["ring"] < predicted["dense ring"]
@@ -228,14 +232,14 @@ def test_compression_auto_weighs_the_measured_compute_with_group_topks_extra_rou
         why = plans.replan(job)
     assert why.startswith("trying dense ring:"), why
     # without the compute the same measurement keeps group-top-k
-    bare = CollectivePlans()
+    bare = CollectivePlans(hop_prior_s=0.0)
     bare.plan(job, 0, MEMBERS, f, NUMEL, 0)
     assert feed(bare, job, rows_from(bare), predicted["ring"], CALIBRATION_ROUNDS) == ""
     # a fresh job whose members acked a 30 ms step plans the dense ring at once
     acked = Fleet(hellos={a: dict(hello) for a in MEMBERS})
     for a in MEMBERS:
         acked.on_ack(a, {"step_s": 0.03})
-    fresh = CollectivePlans()
+    fresh = CollectivePlans(hop_prior_s=0.0)
     assert fresh.plan(job, 0, MEMBERS, acked, NUMEL, 0) == "ring" and fresh.codec() == "dense"
 
 
@@ -244,7 +248,7 @@ def test_the_predicted_round_counts_the_members_checkpoint_patches_not_a_whole_u
     slices (a third of the model each in a ring of 4), not for its own whole upload;
     the ``hybrid`` rule keeps the whole upload."""
     job = spec("ring").replace(checkpoint_every=1)
-    plans, f = CollectivePlans(), fleet()
+    plans, f = CollectivePlans(hop_prior_s=0.0), fleet()
     plans.plan(job, 0, MEMBERS, f, NUMEL, 0)
     [epoch] = plans.summary(job, {}, f)
     allreduce = epoch["predicted_s"]["ring"]

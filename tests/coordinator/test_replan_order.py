@@ -11,7 +11,7 @@ from tests.coordinator.test_replan import MEMBERS, NUMEL, feed, fleet, rows_from
 
 
 def test_the_kept_order_runs_the_trial_asked_for_and_settles_on_one_key() -> None:
-    job, plans, f = spec(), CollectivePlans(), fleet()
+    job, plans, f = spec(), CollectivePlans(hop_prior_s=0.0), fleet()
     assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring"
     predicted = plans.epochs[0].choice.predicted_s
     measured = predicted["ring"] + steps("ring", 4) * 0.002
