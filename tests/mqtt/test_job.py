@@ -7,6 +7,7 @@ end the module with as many threads as they had after the first job.
 from __future__ import annotations
 
 import json
+import re
 import runpy
 import signal
 import subprocess
@@ -170,9 +171,15 @@ def test_a_hung_agent_is_lost_within_1_5_keepalives_and_the_job_finishes(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
     """SIGSTOP: the broker alone would see it after 1.5 keep-alives plus up to 5 s; the
-    coordinator watches the agents' heartbeats. SIGCONT: the same agent comes back."""
+    coordinator watches the agents' heartbeats. SIGCONT: the same agent comes back.
+
+    The watcher's own reading is held to 1.5 keep-alives (it declares a peer lost
+    after 1.25 of silence, checked every 0.25 s); the job's event, stamped when the
+    coordinator's loop takes it, to 2: CI's two workers, each with a fleet, once
+    delayed it to 1.75 on 2 cores."""
     job = job_file(tmp_path, rounds=300, target=0.0)
     proc, out = _started(broker, job, tmp_path, 30)
+    logs = {a: len(fleet.log(a)) for a in fleet.procs}  # what this test adds, after
     stopped_at = time.time()
     fleet.procs["a1"].send_signal(signal.SIGSTOP)
     try:
@@ -184,7 +191,11 @@ def test_a_hung_agent_is_lost_within_1_5_keepalives_and_the_job_finishes(
     whys = ("a1 lost", "peer 'a1' left or was lost")
     lost = [e for e in summary["events"] if e["why"].endswith(whys)]
     assert lost, summary["events"]
-    assert lost[0]["t"] - stopped_at <= 1.5 * 5  # 1.5 x keep-alive
+    assert lost[0]["t"] - stopped_at <= 2 * 5  # keep-alive 5 s
+    heard = (out.parent / f"{out.name}-coordinator.log").read_text(errors="replace")
+    heard += "".join(fleet.log(a)[n:] for a, n in logs.items() if a != "a1")
+    silences = [float(x) for x in re.findall(r"no heartbeat from a1 for ([0-9.]+) s", heard)]
+    assert silences and 1.25 * 5 <= min(silences) <= 1.5 * 5, silences
     assert summary["coordinator_counters"].get("peer_silent", 0) >= 1
     assert "a1" in summary["members"] and summary["rounds"] == 300
     assert summary["identical_models"]
