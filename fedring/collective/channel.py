@@ -23,6 +23,7 @@ from typing import Any
 from fedring.collective.payloads import decode_payload, encode_payload
 from fedring.compression.payload import Payload, PayloadLimits
 from fedring.counters import Counters
+from fedring.logs_limit import LogLimiter
 from fedring.transport.base import (
     BROADCAST,
     Broadcaster,
@@ -86,6 +87,7 @@ class PeerChannel:
         self._stash: OrderedDict[Position, tuple[Mapping[str, Any], bytearray]] = OrderedDict()
         self._max_stash = max_stash
         self._last_refusal = ""
+        self._log = LogLimiter(log, f"refusals at {self.name}")
 
     @property
     def name(self) -> str:
@@ -288,11 +290,15 @@ class PeerChannel:
             return
         head, body = done
         if len(self._stash) >= self._max_stash:
-            self._stash.popitem(last=False)
+            (src, rnd, step, phase), _ = self._stash.popitem(last=False)
             self.counters.add("stash_evicted")
+            self._log.warning(src, "stash_evicted", "%s dropped an early payload from %s "
+                              "(round %d, step %d, %s): its stash holds at most %d",
+                              self.name, src, rnd, step, phase, self._max_stash)  # fmt: skip
         self._stash[(head.src, head.round, head.step, head.phase)] = (head.meta, body)
 
     def _refuse(self, sender: str, exc: FrameError) -> None:
         self.counters.add(f"frame_{exc.reason.value}")
         self._last_refusal = f"{exc} (from {sender!r})"
-        log.warning("%s refused a frame from %s: %s", self.name, sender, exc)
+        self._log.warning(sender, exc.reason.value, "%s refused a frame from %s: %s",
+                          self.name, sender, exc)  # fmt: skip

@@ -45,6 +45,7 @@ from fedring.engine.attack import Attack
 from fedring.engine.gate import CodeRefused
 from fedring.firmware_profiles.apply import runtime_rss
 from fedring.firmware_profiles.schema import Profile
+from fedring.logs_limit import LogLimiter
 from fedring.monitor import JobFeed
 from fedring.training.datasets import DatasetError
 from fedring.training.models import flat_bytes, flat_sha256, pay_process_one_offs
@@ -88,6 +89,7 @@ class AgentDaemon:
         self.allowed_modules = allowed_modules
         self.attack = attack
         self.counters = Counters()
+        self._log = LogLimiter(log, f"control messages refused by {self.me}")
         self.codec = ControlCodec(me, counters=self.counters)
         self.feed = JobFeed(counters=self.counters)  # what `--metrics-port` serves
         self.stop = threading.Event()
@@ -132,7 +134,8 @@ class AgentDaemon:
                 self._handle(item)
             except FrameError as exc:
                 self.counters.add(f"frame_{exc.reason.value}")
-                log.warning("%s refused a control message: %s", self.me, exc)
+                self._log.warning(item.src, exc.reason.value, "%s refused a control message "
+                                  "from %s: %s", self.me, item.src, exc)  # fmt: skip
         self._halt("shutting down")
         self.stages.halt("shutting down")
         self._join()
@@ -273,6 +276,10 @@ class AgentDaemon:
             return  # this agent resumed from its own snapshot of that round: not needed
         if seg is None or worker is None or msg.job != seg.job or msg.round != seg.start_round:
             self.counters.add("model_unexpected")
+            waiting = f"job {seg.job}, round {seg.start_round}" if seg is not None else "none"
+            self._log.warning(msg.src, "model_unexpected", "%s: a model from %s for job %s, "
+                              "round %d, not the one it waits for (%s): ignored", self.me,
+                              msg.src, msg.job, msg.round, waiting)  # fmt: skip
             return
         numel = worker.numel
         if len(msg.blob) != numel * 4:

@@ -36,6 +36,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from fedring.counters import Counters
+from fedring.logs_limit import LogLimiter
 from fedring.transport import topics
 from fedring.transport.base import (
     Deadline,
@@ -92,6 +93,7 @@ class Connection:
         self.broker_max = 0  # MQTT 5: the Maximum Packet Size of the broker's CONNACK
         self._largest = 0  # bytes of the largest packet published since we last connected
         self._joiner = Joiner(max_bytes=cfg.max_inbox_bytes)
+        self._log = LogLimiter(log, f"message parts refused by {me}")
         self._msg_ids = itertools.count(int.from_bytes(os.urandom(4), "big") << 16)
 
     @property
@@ -274,11 +276,16 @@ class Connection:
             return self._joiner.add(topic, part)
         except PartError as exc:
             self.counters.add("mqtt_part_refused")
-            log.warning("%s refused a message part: %s", self.me, exc)
+            self._log.warning(topic, "mqtt_part_refused", "%s refused a message part: %s",
+                              self.me, exc)  # fmt: skip
             return None
         finally:
-            if self._joiner.abandoned > abandoned:
-                self.counters.add("mqtt_part_abandoned", self._joiner.abandoned - abandoned)
+            if (gave_up := self._joiner.abandoned - abandoned) > 0:
+                self.counters.add("mqtt_part_abandoned", gave_up)
+                self._log.warning(topic, "mqtt_part_abandoned", "%s gave up %d incomplete "
+                                  "multi-part message(s) to stay within its bounds (%d held, "
+                                  "%d bytes), at a part on %s", self.me, gave_up,
+                                  self._joiner.pending, self._joiner.held_bytes, topic)  # fmt: skip
 
     # -- the caller's thread ------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedring.counters import Counters
+from fedring.logs_limit import LogLimiter
 from fedring.transport import topics
 from fedring.transport.base import MembershipEvent
 from fedring.transport.mqtt_broker import BrokerConfig
@@ -155,6 +156,7 @@ class Presence:
                  emit: Callable[[str, list[MembershipEvent]], None],
                  connected: threading.Event) -> None:  # fmt: skip
         self.cfg, self.me, self.counters = cfg, me, counters
+        self._log = LogLimiter(log, f"presence messages refused by {me}")
         self._emit = emit
         self._connected = connected  # our own link's: set by its connection
         self._lock = threading.Lock()
@@ -203,7 +205,7 @@ class Presence:
             peer = parse_status(payload, float(self.cfg.keepalive))
         except (ValueError, AttributeError):
             self.counters.add("bad_status")
-            log.warning("%s: unreadable status from %s", self.me, who)
+            self._log.warning(who, "bad_status", "%s: unreadable status from %s", self.me, who)
             return
         state, session, job, keepalive = peer.state, peer.session, peer.job, peer.keepalive
         events: list[MembershipEvent] = []
@@ -269,6 +271,9 @@ class Presence:
             known = table.online.get(who) or table.silent.get(who)
             if not session or session != known:
                 self.counters.add("bad_beat")
+                self._log.warning(who, "bad_beat", "%s: refused a beat of %s: session "
+                                  "%.40r, its presence says %.40r", self.me, who, session,
+                                  known)  # fmt: skip
                 return
             if parsed.bad:
                 self.counters.add("bad_beat_field")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedring.counters import Counters
+from fedring.logs_limit import LogLimiter
 from fedring.wire.chunks import Reassembler, SeenWindow, split_payload
 from fedring.wire.errors import FrameError, FrameReason
 from fedring.wire.frame import Frame, FrameLimits, decode_frame, encode_frame
@@ -61,6 +62,7 @@ class ControlCodec:
         self.key = key
         self.limits = limits or FrameLimits()
         self.counters = counters or Counters()
+        self._log = LogLimiter(log, f"control frames refused by {me}")
         # Microseconds since the epoch: a restarted sender keeps counting upwards,
         # so its new frames are never mistaken for repeats of its old ones.
         self._seq = itertools.count(time.time_ns() // 1000)
@@ -108,7 +110,8 @@ class ControlCodec:
             return _message(head, bytes(body), signed)
         except FrameError as exc:
             self.counters.add(f"frame_{exc.reason.value}")
-            log.warning("%s refused a control frame from %r: %s", self.me, sender, exc)
+            self._log.warning(sender, exc.reason.value, "%s refused a control frame from %r: %s",
+                              self.me, sender, exc)  # fmt: skip
             return None
 
     def _frame(self, data: bytes) -> tuple[Frame, bool]:
