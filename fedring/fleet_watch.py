@@ -34,6 +34,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from fedring.fleet import BoardTable
+from fedring.logs_limit import LogLimiter
 from fedring.transport import topics
 from fedring.transport.mqtt_broker import (
     BrokerConfig,
@@ -53,6 +54,7 @@ class FleetReader:
     def __init__(self, cfg: BrokerConfig, table: BoardTable,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.cfg, self.table, self.clock = cfg, table, clock
+        self._log = LogLimiter(log, "messages on foreign topics")
         self.refused: list[str] = []  # filters the broker's SUBACK refused
         self.retained_in = threading.Event()  # what the broker retained has reached us
         self._ready = threading.Event()
@@ -137,13 +139,16 @@ class FleetReader:
         parsed = topics.parse_agent_topic(topic)
         if parsed is None:
             self.table.counters.add("bad_topic")
+            self._log.warning(topic[:200], "bad_topic", "a message on %r: not an agent's topic",
+                              topic[:200])  # fmt: skip
             return
         who, leaf = parsed
         try:
             topics.check_id("agent", who)
         except topics.TopicError:
             self.table.counters.add("bad_topic")
-            log.warning("a message on %r: not an agent id", topic[:200])
+            self._log.warning(topic[:200], "bad_topic", "a message on %r: not an agent id",
+                              topic[:200])  # fmt: skip
             return
         now = self.clock()
         if leaf == "hello":

@@ -68,14 +68,23 @@ class LogLimiter:
 
     def warning(self, peer: str, reason: str, msg: str, *args: object) -> None:
         """Log ``msg % args`` as a warning, or hold it for the pair's next summary."""
+        self._event(logging.WARNING, peer, reason, msg, args)
+
+    def info(self, peer: str, reason: str, msg: str, *args: object) -> None:
+        """As `warning`, at INFO: for drops that are expected now and then."""
+        self._event(logging.INFO, peer, reason, msg, args)
+
+    def _event(
+        self, level: int, peer: str, reason: str, msg: str, args: tuple[object, ...]
+    ) -> None:
         with self._lock:
             now = self._clock()
-            self._roll_window(now)
-            pair = self._pair((peer, reason), now)
+            self._roll_window(level, now)
+            pair = self._pair(level, (peer, reason), now)
             if pair.logged >= self.burst:
                 pair.held += 1
                 if now - pair.since >= self.interval_s:
-                    self._summary(pair, now, f"from {peer!r} ({reason})")
+                    self._summary(level, pair, now, f"from {peer!r} ({reason})")
                 return
             if self._lines >= self.max_lines:
                 self._over.held += 1
@@ -83,13 +92,13 @@ class LogLimiter:
             pair.logged += 1
             pair.since = now
             self._lines += 1
-        self.logger.warning(msg, *args)
+        self.logger.log(level, msg, *args)
 
-    def _pair(self, key: tuple[str, str], now: float) -> _Pair:
+    def _pair(self, level: int, key: tuple[str, str], now: float) -> _Pair:
         pair = self._pairs.get(key)
         if pair is not None and now - pair.last >= self.interval_s:
             if pair.held:  # quiet since: report what it held, then log in full again
-                self._summary(pair, pair.last, f"from {key[0]!r} ({key[1]})")
+                self._summary(level, pair, pair.last, f"from {key[0]!r} ({key[1]})")
             pair = None
         if pair is None:
             pair = self._pairs[key] = _Pair(since=now)
@@ -99,16 +108,16 @@ class LogLimiter:
         pair.last = now
         return pair
 
-    def _roll_window(self, now: float) -> None:
+    def _roll_window(self, level: int, now: float) -> None:
         if now - self._over.since < self.interval_s:
             return
         if self._over.held:
-            self._summary(self._over, now, f"(over the limit of {self.max_lines} lines)")
+            self._summary(level, self._over, now, f"(over the limit of {self.max_lines} lines)")
         self._over.since = now
         self._lines = 0
 
-    def _summary(self, pair: _Pair, now: float, whence: str) -> None:
-        self.logger.warning("%d more %s %s in the last %.0f s", pair.held, self.what,
+    def _summary(self, level: int, pair: _Pair, now: float, whence: str) -> None:
+        self.logger.log(level, "%d more %s %s in the last %.0f s", pair.held, self.what,
                             whence, now - pair.since)  # fmt: skip
         pair.held = 0
         pair.since = now

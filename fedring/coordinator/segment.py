@@ -35,6 +35,7 @@ from fedring.coordinator.port import ControlPort
 from fedring.coordinator.replica import Replica
 from fedring.engine.plan import Plan
 from fedring.engine.resync import Drift
+from fedring.logs_limit import LogLimiter
 from fedring.monitor import JobFeed
 from fedring.training.models import flat_sha256
 from fedring.transport.base import Deadline
@@ -68,6 +69,7 @@ class SegmentRunner(ControlPort):
         self.feed = opts.feed if opts.feed is not None else JobFeed()
         self.feed.counters = self.counters  # the views read the job's own counts
         self.feed.rounds, self.feed.agents = spec.rounds, spec.agents
+        self._log = LogLimiter(log, "messages refused by the coordinator")
 
     def _wall(self) -> float:
         """Seconds the job has run, the coordinator processes before this one included."""
@@ -227,6 +229,11 @@ class SegmentRunner(ControlPort):
         elif msg.kind == "bye":
             ep.done[msg.src] = msg.doc
             return "", True
+        elif msg.kind != "metrics":  # (a metrics row belongs on the metrics topic: ignored)
+            self.counters.add("control_unknown_kind")
+            self._log.warning(msg.src, "control_unknown_kind", "a %.40r message from %s in "
+                              "job %s: not a kind the coordinator reads; ignored", msg.kind,
+                              msg.src, msg.job)  # fmt: skip
         return "", False
 
     def _take(self, ep: Epoch, who: str, verdict: decide.Verdict) -> tuple[str, bool]:
@@ -243,6 +250,9 @@ class SegmentRunner(ControlPort):
         row = msg.doc
         rnd = row.get("round")
         if type(rnd) is not int:
+            self.counters.add("bad_metrics")
+            self._log.warning(msg.src, "bad_metrics", "a metrics row from %s with round=%.40r "
+                              "(not an integer): ignored", msg.src, rnd)  # fmt: skip
             return False
         if row.get("resynced") is True:
             self.resynced.add(rnd)
@@ -304,6 +314,9 @@ class SegmentRunner(ControlPort):
         numel = len(msg.blob) // 4
         if len(msg.blob) != numel * 4 or numel == 0:
             self.counters.add("frame_shape_mismatch")
+            self._log.warning(msg.src, "frame_shape_mismatch", "checkpoint of round %d from %s: "
+                              "%d bytes, not whole float32 values: not saved", msg.round,
+                              msg.src, len(msg.blob))  # fmt: skip
             return
         params = torch.frombuffer(bytearray(msg.blob), dtype=torch.float32).clone()
         if flat_sha256(params) != msg.doc.get("sha256"):

@@ -89,7 +89,7 @@ class AgentDaemon:
         self.allowed_modules = allowed_modules
         self.attack = attack
         self.counters = Counters()
-        self._log = LogLimiter(log, f"control messages refused by {self.me}")
+        self._log = LogLimiter(log, f"control messages dropped by {self.me}")
         self.codec = ControlCodec(me, counters=self.counters)
         self.feed = JobFeed(counters=self.counters)  # what `--metrics-port` serves
         self.stop = threading.Event()
@@ -191,8 +191,8 @@ class AgentDaemon:
             # Queued by the broker for an earlier process of ours (our session outlives a
             # restart): sealed with a job key this process never had. Not an attack.
             self.counters.add("frame_before_manifest")
-            log.info("%s dropped a sealed frame of job %r sent before it started",
-                     self.me, item.job)  # fmt: skip
+            self._log.info(item.src, "frame_before_manifest", "%s dropped a sealed frame of "
+                           "job %r sent before it started", self.me, item.job)  # fmt: skip
             return
         msg = self.codec.decode(item.src, item.data)
         if msg is None or (self.link is not None and self.stages.handle(msg, self.link)):
@@ -220,6 +220,11 @@ class AgentDaemon:
                 self.feed.finish(ok=True)
                 self.jobs_done += 1
                 self._announce("")  # in no job now
+        else:
+            self.counters.add("control_unknown_kind")
+            self._log.warning(msg.src, "control_unknown_kind", "%s: a %.40r message from %s "
+                              "in job %s: not a kind an agent reads; ignored", self.me,
+                              msg.kind, msg.src, msg.job)  # fmt: skip
 
     def _on_manifest(self, msg: ControlMessage) -> None:
         doc = msg.doc

@@ -45,6 +45,7 @@ from fedring.engine.reducer import ReducerSettings
 from fedring.engine.sampler import ShardSampler
 from fedring.engine.task import Task, TaskError
 from fedring.firmware_profiles.schema import Profile
+from fedring.logs_limit import LogLimiter
 from fedring.pipeline.assignment import (
     load_stage_state,
     plan_from_shapes,
@@ -126,6 +127,7 @@ class StageHost:
                  data_dir: Path | None, budget: Profile | None,
                  allowed_modules: tuple[str, ...]) -> None:  # fmt: skip
         self.me, self.codec, self.counters, self.send = me, codec, counters, send
+        self._log = LogLimiter(log, f"messages {me} did not expect")
         self.data_dir, self.budget, self.allowed_modules = data_dir, budget, allowed_modules
         self.current: _StageRun | None = None
         self.link: MqttLink | None = None
@@ -222,6 +224,10 @@ class StageHost:
     def _on_model(self, run: _StageRun, msg: ControlMessage) -> None:
         if run.thread is not None or len(msg.blob) % 4:
             self.counters.add("model_unexpected")
+            why = "its stage runs" if run.thread is not None else "not whole float32 values"
+            self._log.warning(msg.src, "model_unexpected", "%s: a model of %d bytes from %s for "
+                              "round %d, job %s: %s; ignored", self.me, len(msg.blob), msg.src,
+                              msg.round, msg.job, why)  # fmt: skip
             return
         flat = torch.frombuffer(bytearray(msg.blob), dtype=torch.float32)
         sizes = (state_numel(run.module, False), state_numel(run.module, True))

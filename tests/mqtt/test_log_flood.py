@@ -16,6 +16,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from fedring.collective.channel import CollectiveError, PeerChannel
 from fedring.compression import GroupTopK
 from fedring.counters import Counters
+from fedring.fleet import BoardTable
+from fedring.fleet_watch import FleetReader
 from fedring.transport import topics
 from fedring.transport.base import Deadline
 from fedring.transport.mosquitto import Mosquitto
@@ -156,3 +158,22 @@ def test_abandoned_part_messages_are_counted_and_logged_a_few_times(
     finally:
         flooder.close()
         link.close()
+
+
+def test_beats_under_a_bad_agent_id_are_counted_and_logged_a_few_times(
+    broker: Mosquitto, caplog: pytest.LogCaptureFixture
+) -> None:
+    counters = Counters()
+    reader = FleetReader(BrokerConfig.parse(broker.url), BoardTable(counters)).start()
+    flooder = Flooder(broker.port, "flood-topics")
+    topic = f"{topics.ROOT}/agents/not an id!/beat"
+    try:
+        with caplog.at_level(logging.WARNING, "fedring.fleet_watch"):
+            flooder.publish(topic, b"s 5", n=100)
+            _wait(lambda: counters.get("bad_topic") >= 100, 10, "100 bad topics")
+        got = warnings_from(caplog, "fedring.fleet_watch")
+        assert counters.get("bad_topic") == 100
+        assert got == [f"a message on {topic!r}: not an agent id"] * 5
+    finally:
+        flooder.close()
+        reader.close()

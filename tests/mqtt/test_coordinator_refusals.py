@@ -1,0 +1,125 @@
+"""What a member holding the job key may still get wrong, on a real Mosquitto: a
+metrics row whose round is no integer, a control message of a kind the coordinator
+does not read, a checkpoint upload that is not whole float32 values. Each is
+ignored, counted, and logged (rate-limited: `fedring.logs_limit`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from fedring.config import JobSpec
+from fedring.coordinator.checkpoint import Checkpoint
+from fedring.coordinator.service import Coordinator, Options, _Epoch
+from fedring.counters import Counters
+from fedring.transport import topics
+from fedring.transport.base import Deadline
+from fedring.transport.mosquitto import Mosquitto
+from fedring.transport.mqtt import BrokerConfig, MqttLink
+from fedring.wire.control import ControlCodec
+from tests.mqtt.conftest import MISSING
+
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING or "mosquitto present")
+
+KEY = b"k" * 32
+JOB = "digits-0a1b2c3d"
+MEMBERS = ["a0", "a1"]
+LOGGER = "fedring.coordinator.segment"
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
+    with Mosquitto(workdir=tmp_path_factory.mktemp("coord-refusals")) as b:
+        yield b
+
+
+class Side:
+    """The coordinator mid-job on a real link, and member a0 (the head) with the key."""
+
+    def __init__(self, url: str, out: Path) -> None:
+        cfg = BrokerConfig.parse(url)
+        self.counters = Counters()
+        self.coord = Coordinator(JobSpec(agents=2), cfg, Options(out=out))
+        self.coord.counters = self.counters
+        self.coord.codec.counters = self.counters
+        self.coord.codec.key = KEY
+        self.coord.link = MqttLink(cfg, topics.COORDINATOR, control_from=("*",),
+                                   listen_hellos=True, watch=True).connect()  # fmt: skip
+        self.coord.ck = Checkpoint(job=JOB, key=KEY, spec={}, shards={a: i for i, a in
+                                   enumerate(MEMBERS)}, model_sha256="", shard_manifest={},
+                                   epoch=0, round=0, params=None)  # fmt: skip
+        self.ep = _Epoch(0, list(MEMBERS), 0)
+        self.a0 = MqttLink(cfg, "a0").connect()
+        self.codec = ControlCodec("a0", key=KEY)
+
+    def handle_until(self, done: Callable[[], bool], timeout: float = 10.0) -> None:
+        """Read the coordinator's control queue as its epoch loop does, until `done`."""
+        assert self.coord.link is not None
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"counters: {self.counters.snapshot()}"
+            item = self.coord._next(0.1)
+            if item is not None and item.kind != "hello":
+                self.coord._on_item(self.ep, item)
+
+    def close(self) -> None:
+        self.a0.close()
+        assert self.coord.link is not None
+        self.coord.link.close()
+
+
+@pytest.fixture
+def side(broker: Mosquitto, tmp_path: Path) -> Iterator[Side]:
+    s = Side(broker.url, tmp_path / "out")
+    yield s
+    s.close()
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER]
+
+
+def test_metrics_rows_without_an_integer_round_are_counted_and_logged(
+    side: Side, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, LOGGER):
+        for i in range(40):
+            [frame] = side.codec.encode("metrics", JOB, topics.COORDINATOR,
+                                        {"epoch": 0, "round": "x" if i % 2 else 1.5})  # fmt: skip
+            side.a0.publish(topics.metrics(JOB, "a0"), frame, Deadline.after(5))
+        side.handle_until(lambda: side.counters.get("bad_metrics") >= 40)
+    assert side.counters.get("bad_metrics") == 40
+    got = _warnings(caplog)
+    assert len(got) == 5, got
+    assert got[0] == "a metrics row from a0 with round=1.5 (not an integer): ignored"
+    assert side.coord.rows == {}
+
+
+def test_a_control_kind_the_coordinator_does_not_read_is_counted_and_logged(
+    side: Side, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, LOGGER):
+        for kind in ("shard", "manifest", "chunk"):
+            [frame] = side.codec.encode(kind, JOB, topics.COORDINATOR, {"epoch": 0})
+            side.a0.send_to(JOB, topics.COORDINATOR, frame, Deadline.after(5))
+        side.handle_until(lambda: side.counters.get("control_unknown_kind") >= 3)
+    assert side.counters.get("control_unknown_kind") == 3
+    assert _warnings(caplog)[0] == ("a 'shard' message from a0 in job digits-0a1b2c3d: "
+                                    "not a kind the coordinator reads; ignored")  # fmt: skip
+
+
+def test_a_checkpoint_of_no_whole_float32_values_is_counted_and_logged(
+    side: Side, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, LOGGER):
+        for frame in side.codec.encode("model", JOB, topics.COORDINATOR, {"epoch": 0},
+                                       b"\x00" * 7, round=3):  # fmt: skip
+            side.a0.send_to(JOB, topics.COORDINATOR, frame, Deadline.after(5))
+        side.handle_until(lambda: side.counters.get("frame_shape_mismatch") >= 1)
+    assert _warnings(caplog) == [
+        "checkpoint of round 3 from a0: 7 bytes, not whole float32 values: not saved"
+    ]
