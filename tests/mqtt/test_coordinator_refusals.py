@@ -55,6 +55,13 @@ class Side:
         self.ep = _Epoch(0, list(MEMBERS), 0)
         self.a0 = MqttLink(cfg, "a0").connect()
         self.codec = ControlCodec("a0", key=KEY)
+        # The coordinator's link subscribes to its topics before it watches statuses,
+        # and the broker takes its packets in order: once it sees a0 online, what a0
+        # sends reaches it (a flood sent right after `connect` can lose its first).
+        deadline = time.monotonic() + 10
+        while "a0" not in self.coord.link.peers():
+            assert time.monotonic() < deadline, "the coordinator never saw a0 online"
+            time.sleep(0.02)
 
     def handle_until(self, done: Callable[[], bool], timeout: float = 10.0) -> None:
         """Read the coordinator's control queue as its epoch loop does, until `done`."""

@@ -39,8 +39,18 @@ class Flooder:
 
     def __init__(self, port: int, name: str) -> None:
         self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=name)
+        self.online: set[str] = set()
+        self.c.on_message = lambda _c, _u, m: self.online.add(m.topic)
         self.c.connect("127.0.0.1", port)
         self.c.loop_start()
+
+    def await_online(self, link: str) -> None:
+        """Until `link`'s retained status is seen. A link subscribes before it publishes
+        that status, and the broker takes one client's packets in order: a message sent
+        after this reaches its subscriptions (CI once lost the first of a flood sent
+        right after `connect`)."""
+        self.c.subscribe(topics.status(link), qos=1)
+        _wait(lambda: topics.status(link) in self.online, 10, f"{link} online")
 
     def publish(self, topic: str, payload: bytes, n: int = 1, retain: bool = False) -> None:
         infos = [self.c.publish(topic, payload, qos=1, retain=retain) for _ in range(n)]
@@ -66,6 +76,7 @@ def test_500_garbage_frames_give_500_counts_and_a_few_log_lines(
     channel = PeerChannel(link.endpoint("job-g"), "job-g", counters=counters)
     flooder = Flooder(broker.port, "flood-frames")
     try:
+        flooder.await_online("g1")
         with caplog.at_level(logging.WARNING, "fedring.collective.channel"):
             flooder.publish(topics.inbox("job-g", "g1", "mallory"), b"\x00" * 100, n=500)
             deadline = time.monotonic() + 20
@@ -121,6 +132,7 @@ def test_forged_beats_are_counted_each_and_logged_a_few_times(
     watcher = MqttLink(BrokerConfig.parse(broker.url), "w-beats", watch=True).connect()
     flooder = Flooder(broker.port, "flood-beats")
     try:
+        flooder.await_online("w-beats")
         with caplog.at_level(logging.WARNING, "fedring.transport.mqtt"):
             flooder.publish(topics.beat("ghost"), b"forged-session 5", n=200)
             _wait(lambda: watcher.counters.get("bad_beat") >= 200, 10, "200 bad beats")
@@ -144,6 +156,7 @@ def test_abandoned_part_messages_are_counted_and_logged_a_few_times(
     flooder = Flooder(broker.port, "flood-parts")
     topic = topics.inbox("job-p", "g5", "mallory")
     try:
+        flooder.await_online("g5")
         with caplog.at_level(logging.WARNING, "fedring.transport.mqtt"):
             for msg_id in range(100):
                 first = split_message(topic, bytes(1000), 200, msg_id)[0]
@@ -169,10 +182,15 @@ def test_beats_under_a_bad_agent_id_are_counted_and_logged_a_few_times(
     topic = f"{topics.ROOT}/agents/not an id!/beat"
     try:
         with caplog.at_level(logging.WARNING, "fedring.fleet_watch"):
+            # the reader publishes nothing to wait for: one beat at a time until it
+            # counts, so the flood after it reaches a live subscription
+            _wait(lambda: flooder.publish(topic, b"s 5") or counters.get("bad_topic") >= 1,
+                  10, "the reader's subscription")  # fmt: skip
+            base = counters.get("bad_topic")
             flooder.publish(topic, b"s 5", n=100)
-            _wait(lambda: counters.get("bad_topic") >= 100, 10, "100 bad topics")
+            _wait(lambda: counters.get("bad_topic") >= base + 100, 10, "100 bad topics")
         got = warnings_from(caplog, "fedring.fleet_watch")
-        assert counters.get("bad_topic") == 100
+        assert counters.get("bad_topic") == base + 100
         assert got == [f"a message on {topic!r}: not an agent id"] * 5
     finally:
         flooder.close()
