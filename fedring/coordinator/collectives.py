@@ -11,10 +11,10 @@ for its checkpoint: a round trip, the members' slices up, the coordinator's save
 measured round (the median of the head's round-to-round wall time, past the density
 warm-up when the epoch runs past it: the model predicts the target density's payload).
 
-An epoch's first plan holds until that check, through the density warm-up: it is
-chosen by each plan's mean all-reduce over those rounds (`choose.horizon_seconds`),
-and until the job has measured its own, each broker step costs `HOP_PRIOR_S` beyond
-the probes.
+A plan holds until that check. Where the density warm-up falls before it (a job's
+first epoch), the plan is chosen by each candidate's mean all-reduce over those rounds
+(`choose.horizon_seconds`); until the job has measured its own, each broker step
+costs `HOP_PRIOR_S` beyond the probes.
 
 The model is a prediction; ``auto`` checks it against the job. After
 `CALIBRATION_ROUNDS` of the head's rows past the warm-up it takes the median measured
