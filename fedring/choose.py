@@ -161,7 +161,7 @@ def sent_densities(spec: JobSpec, start: int, rounds: int) -> Counter[float]:
 def horizon_seconds(spec: JobSpec, numel: int, probes: list[Probe], candidates: tuple[str, ...],
                     start: int, rounds: int) -> dict[str, float]:  # fmt: skip
     """Each group-top-k plan's mean all-reduce over the `rounds` from `start` it holds
-    before the job checks it: in a warm-up the payloads are 4 to 25x the target's, and
+    before the job checks it: in a warm-up the payloads are 1.6 to 25x the target's, and
     fan-out's downlink carries N-1 of them where the ring's carries 2(N-1)/N, so a plan
     made for the target density alone can be the slower one for the whole of a short
     job (the 1 M-parameter MLP at 10 Mbit/s, 20 ms: 20 rounds, all in the warm-up;
