@@ -24,6 +24,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -165,6 +166,13 @@ class ShardManifest:
 
     def sha256(self) -> str:
         """The table's content address: sha256 of its canonical JSON."""
+        return self._table_sha256
+
+    @cached_property
+    def _table_sha256(self) -> str:
+        # Once per table: `entry` is called per rank (the coordinator's grid, its
+        # enrolment), and hashing the whole table each time made N entries O(N^2).
+        # The fields are frozen, so the hash cannot go stale.
         text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 

@@ -254,3 +254,28 @@ def test_manifest_from_dict_missing_field() -> None:
     assert ShardManifest.from_dict(_GOOD).sizes == (3, 4)
     with pytest.raises(ShardError, match="missing field 'digests'"):
         ShardManifest.from_dict({k: v for k, v in _GOOD.items() if k != "digests"})
+
+
+def test_n_entries_hash_the_table_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`entry` per rank is O(N) in all, not O(N^2): the table's hash is computed once,
+    and it is still the sha256 of the table's canonical JSON."""
+    import fedring.training.sharding as sharding
+
+    n = 50
+    manifest = ShardManifest("synthetic:400:4:3", "iid", 1, n, (8,) * n,
+                             tuple(f"{i:064x}" for i in range(n)))  # fmt: skip
+    text = json.dumps(manifest.to_dict(), sort_keys=True, separators=(",", ":"))
+    table = sharding.hashlib.sha256(text.encode()).hexdigest()
+    calls: list[int] = []
+    real = sharding.hashlib.sha256
+
+    def counted(data: bytes = b"") -> object:
+        calls.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(sharding.hashlib, "sha256", counted)
+    entries = [manifest.entry(r) for r in range(n)]
+    assert len(calls) == 1  # not n
+    assert entries == [ShardEntry("synthetic:400:4:3", "iid", 1, n, r, 8, f"{r:064x}", table)
+                       for r in range(n)]  # fmt: skip
+    assert manifest.sha256() == table and len(calls) == 1
