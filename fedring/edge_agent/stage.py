@@ -19,7 +19,8 @@ each stage uploads its state every `checkpoint_every` steps (parameters, buffers
 momentum: `pipeline.assignment.stage_state`) with its sha256, and replica 0 of the
 last stage sends its loss every `eval_every` steps; at the end replica 0 uploads its
 final state and every replica says ``bye`` with its state's sha256, its peak RSS
-(this job's: the kernel's peak is reset when the job starts), bytes and seconds. A
+(this job's: the kernel's peak is reset when the job starts), bytes, seconds and
+its counters' gain since the job's first manifest (as a data-parallel agent's). A
 stage that fails says ``nack`` with the reason; the daemon stays up for the next job.
 """
 
@@ -131,6 +132,7 @@ class StageHost:
         self.data_dir, self.budget, self.allowed_modules = data_dir, budget, allowed_modules
         self.current: _StageRun | None = None
         self.link: MqttLink | None = None
+        self.counters_at_job: tuple[str, dict[str, int]] = ("", {})  # at a job's first manifest
 
     def handle(self, msg: ControlMessage, link: MqttLink) -> bool:
         """True if `msg` belonged to a pipeline job (and was dealt with)."""
@@ -175,6 +177,8 @@ class StageHost:
         self.halt("a new manifest arrived")
         self.join()
         self.current = None
+        if self.counters_at_job[0] != msg.job:  # a re-formation's manifest keeps the baseline
+            self.counters_at_job = (msg.job, self.counters.snapshot())
         doc = msg.doc
         try:
             self.codec.key = bytes.fromhex(str(doc["key"]))  # so that a refusal is signed
@@ -336,7 +340,15 @@ class StageHost:
             "forward_s": stage.forward_s, "backward_s": stage.backward_s,
             "micro_run": stage.micro_run, "train_seconds": round(train_s, 2),
             "final_loss": worker.losses[-1] if worker.losses else None,
+            "counters": self._job_counters(),
         }  # fmt: skip
+
+    def _job_counters(self) -> dict[str, int]:
+        """What the counters gained since this job's first manifest (non-zero only), as
+        a data-parallel agent's bye carries them."""
+        before = self.counters_at_job[1]
+        now = self.counters.snapshot()
+        return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
     def _upload(self, run: _StageRun, step: int, flat: torch.Tensor, *, final: bool) -> None:
         run.wait_saved(3 * run.spec.timeout_s)
