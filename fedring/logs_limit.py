@@ -74,9 +74,13 @@ class LogLimiter:
         """As `warning`, at INFO: for drops that are expected now and then."""
         self._event(logging.INFO, peer, reason, msg, args)
 
-    def _event(
-        self, level: int, peer: str, reason: str, msg: str, args: tuple[object, ...]
-    ) -> None:
+    def exception(self, peer: str, reason: str, msg: str, *args: object) -> None:
+        """As `warning`, at ERROR, from an ``except`` block: the full lines carry the
+        traceback (as `logging.Logger.exception`), the summaries do not."""
+        self._event(logging.ERROR, peer, reason, msg, args, exc_info=True)
+
+    def _event(self, level: int, peer: str, reason: str, msg: str, args: tuple[object, ...],
+               exc_info: bool = False) -> None:  # fmt: skip
         with self._lock:
             now = self._clock()
             self._roll_window(level, now)
@@ -92,7 +96,7 @@ class LogLimiter:
             pair.logged += 1
             pair.since = now
             self._lines += 1
-        self.logger.log(level, msg, *args)
+        self.logger.log(level, msg, *args, exc_info=exc_info)
 
     def _pair(self, level: int, key: tuple[str, str], now: float) -> _Pair:
         pair = self._pairs.get(key)

@@ -94,6 +94,7 @@ class Connection:
         self._largest = 0  # bytes of the largest packet published since we last connected
         self._joiner = Joiner(max_bytes=cfg.max_inbox_bytes)
         self._log = LogLimiter(log, f"message parts refused by {me}")
+        self._errors = LogLimiter(log, f"errors handling messages at {me}")
         self._msg_ids = itertools.count(int.from_bytes(os.urandom(4), "big") << 16)
 
     @property
@@ -263,9 +264,13 @@ class Connection:
             whole = self._join(msg.topic, payload, msg.retain) if is_part(payload) else payload
             if whole is not None:
                 self._hooks.received(msg.topic, whole, bool(msg.retain))
-        except Exception:  # a callback that raises would stop paho's network loop
+        except Exception as exc:  # a callback that raises would stop paho's network loop
+            # Whoever found an input that makes a handler raise can send it in a loop: the
+            # counter counts each, the log holds a few tracebacks per (kind of topic, error).
             self.counters.add("mqtt_callback_error")
-            log.exception("%s: error handling a message on %s", self.me, msg.topic)
+            self._errors.exception(topic_kind(msg.topic), type(exc).__name__,
+                                   "%s: error handling a message on %s", self.me,
+                                   msg.topic)  # fmt: skip
 
     def _join(self, topic: str, part: bytes, retained: bool) -> bytes | None:
         """The message `part` completes (None until then, or if it is refused)."""
@@ -334,6 +339,19 @@ class Connection:
         if self.client is not None:
             self.client.loop_stop()
             self.client.disconnect()
+
+
+def topic_kind(topic: str) -> str:
+    """A topic without its ids, ``jobs/+/to`` or ``agents/+/beat`` ("other" outside
+    ``fedring/v1``): a key that senders and jobs named in the topic cannot multiply.
+
+    >>> topic_kind("fedring/v1/jobs/job1/to/a2/a1"), topic_kind("fedring/v1/agents/a1/beat")
+    ('jobs/+/to', 'agents/+/beat')
+    """
+    levels = topic.split("/")
+    if len(levels) >= 5 and "/".join(levels[:2]) == topics.ROOT:
+        return f"{levels[2]}/+/{levels[4]}"  # both fixed by our subscriptions
+    return "other"
 
 
 def quick_ack(client: mqtt.Client) -> None:
