@@ -10,7 +10,19 @@ ran, from the runs in ``grid.json`` and each fedring run's ``metrics.jsonl``:
 - ``dense comm``: the dense ring's share of its round spent communicating, from its
   rows (``comm_s / step_s``), else ``1 - compute / round`` with the compute of
   auto-codec's rows (the same model, batch and machine); where it is >= 0.8 the bar is
-  5x every peer.
+  5x every peer;
+- ``compute floor``: the fewest rounds to target of any fedring run in the cell (the
+  first row with ``accuracy >= target``) times the median ``compute_s`` of auto-codec's
+  rows: the seconds to target were communication free. ``5x reachable`` says whether
+  the fastest peer's time (a capped peer's counted as the cap) over 5 is at least that
+  floor, i.e. whether any codec and collective could meet the 5x bar in that many
+  rounds (in brackets: that time / 5 / the floor, the room left); "–" where the data
+  cannot tell (no floor for want of rows or ``compute_s``; every peer capped; a run's
+  rounds unknown), "n/a" where the bar does not apply. A run that kept no rows counts
+  its ``rounds`` if it reached the target: the job stops at its ``target_accuracy``,
+  so its last round is the first at the target. The floor leaves out every per-round
+  cost but compute (latency too), so "no" is a strict verdict and "yes" only says that
+  compute does not forbid the bar.
 
 **Noise** is measured in the grid itself: where ``auto`` or ``auto-codec`` ran the very
 plan of a fixed method all through (the same collective and codec, no re-plan), the two
@@ -33,6 +45,7 @@ Rows = Callable[[dict[str, Any]], list[dict[str, Any]]]  # a fedring run's metri
 FIXED = ("ring", "fanout", "hub", "dense")  # fedring's fixed settings ("dense": the dense ring)
 PEERS = ("dense", "flower", "ddp", "powersgd2", "powersgd4")
 COMM_BOUND = 0.8  # the dense round's communication share from which 5x is the bar
+FEDRING_RUNS = (*FIXED, "auto", "auto-codec")  # the runs whose rounds set the compute floor
 SAME_PLAN = {"ring": "ring", "fanout": "fanout", "hub": "hub", "dense ring": "dense"}
 
 
@@ -64,6 +77,51 @@ def comm_share(rows_of: Rows, runs: dict[str, dict[str, Any]]) -> float | None:
     if compute is None or not dense.get("round_ms"):
         return None
     return max(0.0, 1.0 - compute * 1e3 / float(dense["round_ms"]))
+
+
+def rounds_to_target(run: dict[str, Any], rows: list[dict[str, Any]]) -> int | None:
+    """The first round whose row's accuracy reached `run`'s target; where the run kept no
+    rows, its ``rounds`` if its curve ends at the target (module docstring); else None."""
+    target = run.get("target")
+    if not isinstance(target, int | float):
+        return None
+    if rows:
+        return next((int(r["round"]) for r in rows if isinstance(r.get("round"), int)
+                     and isinstance(r.get("accuracy"), int | float)
+                     and r["accuracy"] >= target), None)  # fmt: skip
+    curve = run.get("curve") or []
+    ended_at_target = bool(curve) and float(curve[-1][1]) >= target
+    return int(run["rounds"]) if _seconds(run) and ended_at_target and run.get("rounds") else None
+
+
+def compute_floor(rows_of: Rows, runs: dict[str, dict[str, Any]]) -> tuple[int, float, bool] | None:
+    """(fewest rounds to target, the compute floor in seconds, whether every fedring run
+    that reached the target told its rounds); None without auto-codec's ``compute_s``
+    or without a run's rounds to target (module docstring)."""
+    mine = runs.get("auto-codec")
+    per_round = _median(rows_of(mine), "compute_s") if mine is not None else None
+    counts = {m: rounds_to_target(runs[m], rows_of(runs[m])) for m in FEDRING_RUNS if m in runs}
+    known = [n for n in counts.values() if n is not None]
+    if per_round is None or not known:
+        return None
+    told = all(n is not None for m, n in counts.items() if _seconds(runs[m]))
+    return min(known), min(known) * per_round, told
+
+
+def reachable(floor: tuple[int, float, bool] | None, peers: dict[str, float | None],
+              cap: float) -> str:  # fmt: skip
+    """Whether the fastest peer's time / 5 >= the floor: "yes (room)", "no (room)" with
+    room = that time / 5 / the floor, or "– (why)" where the data cannot tell."""
+    if floor is None or not peers or floor[1] <= 0.0:
+        return "– (no floor)"
+    fastest = min((p or cap) for p in peers.values())
+    exact = any(p and p <= fastest for p in peers.values())  # else every peer was capped
+    room = f"{'' if exact else '≥ '}{fastest / 5.0 / floor[1]:.1f}"
+    if fastest / 5.0 >= floor[1]:
+        return f"yes ({room})"  # a capped peer's true time is above the cap: still reachable
+    if not exact:
+        return f"– (peers capped at {cap:g} s)"
+    return f"no ({room})" if floor[2] else "– (a run's rounds unknown)"
 
 
 def noise(doc: dict[str, Any]) -> list[float]:
@@ -98,10 +156,12 @@ def verdict(doc: dict[str, Any], rows_of: Rows) -> str:
     tol = statistics.median(spread) if spread else 0.0
     lines = [
         "| N | model | Mbit/s | delay ms | auto (codec too) s | chose | ÷ best fixed | "
-        "÷ fastest peer | dense comm | least × over a peer | verdict |",
-        "|" + "---|" * 11,
+        "÷ fastest peer | dense comm | least × over a peer | compute floor s | "
+        "5x reachable (room) | verdict |",
+        "|" + "---|" * 13,
     ]
     held = total = 0
+    bar: dict[str, int] = {}  # "5x reachable" over the cells where the 5x bar applies
     for (n, bw, delay, model), runs in cells(doc):
         mine = runs.get("auto-codec")
         if mine is None:
@@ -127,6 +187,10 @@ def verdict(doc: dict[str, Any], rows_of: Rows) -> str:
         judged = bool(fixed) and bool(peers) and _ran(mine) and reached
         held += ok and judged
         total -= not judged
+        floor = compute_floor(rows_of, runs)
+        applies = judged and share is not None and share >= COMM_BOUND
+        can = reachable(floor, peers, cap) if applies else "n/a"
+        bar[can[0]] = bar.get(can[0], 0) + applies
         lines.append("| " + " | ".join([
             str(n), model, f"{bw:g}", f"{delay:g}",
             f"{t:.1f}" if t else f"> {cap:g} ({mine['best_accuracy']:.3f})",
@@ -135,6 +199,9 @@ def verdict(doc: dict[str, Any], rows_of: Rows) -> str:
             f"{text_p} ({name_p})" if name_p else text_p,
             "–" if share is None else f"{share:.2f}",
             "–" if worst is None else f"{'≥ ' if None in peers.values() else ''}{worst:.1f}",
+            "–" if floor is None else f"{'' if floor[2] else '≤ '}{floor[1]:.3f} "
+            f"({floor[0]} × {floor[1] / floor[0] * 1e3:.2f} ms)",
+            can,
             ("not judged" if reached else "none reached") if not judged
             else "held" if ok else "not held",
         ]) + " |")  # fmt: skip
@@ -143,5 +210,8 @@ def verdict(doc: dict[str, Any], rows_of: Rows) -> str:
         lines[-1] = (f"Noise: {len(spread)} pairs of runs of the same plan; |ratio - 1| "
                      f"median {tol:.2f} (the tolerance of ÷ fastest peer), largest "
                      f"{max(spread):.2f}. ")  # fmt: skip
-    lines[-1] += f"Held in {held} of {total} cells judged."
+    lines[-1] += f"Held in {held} of {total} cells judged. "
+    lines[-1] += (f"The 5x bar is unreachable at the compute floor in {bar.get('n', 0)} of the "
+                  f"{sum(bar.values())} cells where it applies (reachable in "
+                  f"{bar.get('y', 0)}; the data cannot tell in {bar.get('–', 0)}).")  # fmt: skip
     return "\n".join(lines)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fedring.bench.lab_grid import Cell, parse_model, run_rows
-from fedring.bench.lab_grid_verdict import comm_share, noise, verdict
+from fedring.bench.lab_grid_verdict import comm_share, compute_floor, noise, verdict
 
 MODEL = "digits/mlp"
 
@@ -26,6 +26,21 @@ def rows(out: Path, bw: float, method: str, comm_s: float, step_s: float) -> Non
     where.mkdir(parents=True)
     lines = [{"round": r, "comm_s": comm_s, "step_s": step_s, "compute_s": step_s - comm_s}
              for r in range(1, 8)]  # fmt: skip
+    (where / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def trained(
+    out: Path, bw: float, method: str, hit: int, last: int, compute_s: float, comm_s: float = 0.0
+) -> None:
+    """Rounds 1..`last` of `compute_s` each (the first two, the warm-up, 10x slower),
+    accuracy every 5 rounds: 0.5, then 0.95 (over the 0.9 target) from round `hit`."""
+    slug = Cell(4, bw, 0.0, parse_model(MODEL)).slug
+    where = out / "n4" / slug / method
+    where.mkdir(parents=True)
+    lines = [{"round": r, "compute_s": compute_s * (10 if r <= 2 else 1), "comm_s": comm_s,
+              "step_s": compute_s + comm_s, "wall_s": r * 0.1,
+              **({"accuracy": 0.95 if r >= hit else 0.5} if r % 5 == 0 else {})}
+             for r in range(1, last + 1)]  # fmt: skip
     (where / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
@@ -61,7 +76,8 @@ def test_a_cell_beaten_5x_everywhere_is_held_and_comm_share_falls_back(tmp_path:
     runs = {r["method"]: r for r in doc["runs"]}
     assert abs(comm_share(lambda r: run_rows(tmp_path, r), runs) - 0.95) < 1e-9  # type: ignore[operator]
     text = verdict(doc, lambda r: run_rows(tmp_path, r))
-    assert text.splitlines()[2].endswith("| ≥ 6.0 | held |")
+    # no run told its rounds to target (no accuracy rows, no target): no floor
+    assert text.splitlines()[2].endswith("| ≥ 6.0 | – | – (no floor) | held |")
     assert "Held in 1 of 1 cells judged" in text
 
 
@@ -88,3 +104,62 @@ def test_a_cell_no_method_reached_is_not_judged(tmp_path: Path) -> None:
     text = verdict(doc, lambda r: run_rows(tmp_path, r))
     assert text.splitlines()[2].endswith("| none reached |")
     assert "Held in 0 of 0 cells judged" in text
+
+
+def _floor_cell(out: Path, bw: float, dense_s: float | None = 9.0) -> list[dict[str, Any]]:
+    """A cell where the dense round is 90% communication: the dense ring reached the 0.9
+    target at round 20 (and ran on to 25; with `dense_s` None, never), the ring at 30,
+    auto-codec at 40 with 2 ms of compute a round; the floor is 20 (or 30) x 2 ms."""
+    trained(out, bw, "dense", hit=20 if dense_s else 99, last=25, compute_s=0.01, comm_s=0.09)
+    trained(out, bw, "ring", hit=30, last=30, compute_s=0.004)
+    trained(out, bw, "auto-codec", hit=40, last=40, compute_s=0.002)
+    return [run("dense", dense_s, bw, target=0.9), run("ring", 1.2, bw, target=0.9),
+            run("auto-codec", 1.0, bw, target=0.9, collective="ring")]  # fmt: skip
+
+
+def test_the_compute_floor_says_whether_5x_is_reachable_at_all(tmp_path: Path) -> None:
+    doc = {"runs": [
+        # 1 Mbit/s: DDP needs 3 s; 3 / 5 = 0.6 s >= the 0.04 s floor (15x room)
+        *_floor_cell(tmp_path, 1.0), run("ddp", 3.0, 1.0), run("flower", None, 1.0),
+        # 10 Mbit/s: DDP needs 0.16 s; 0.032 s < 0.04 s: no codec nor collective gets 5x
+        *_floor_cell(tmp_path, 10.0), run("ddp", 0.16, 10.0),
+    ]}  # fmt: skip
+    runs = {r["method"]: r for r in doc["runs"] if r["bandwidth_mbps"] == 1.0}
+    assert compute_floor(lambda r: run_rows(tmp_path, r), runs) == (20, 20 * 0.002, True)
+    text = verdict(doc, lambda r: run_rows(tmp_path, r))
+    [reached] = [line for line in text.splitlines() if "| 1 |" in line]
+    [beyond] = [line for line in text.splitlines() if "| 10 |" in line]
+    assert reached.endswith("| 0.040 (20 × 2.00 ms) | yes (15.0) | not held |")
+    assert beyond.endswith("| 0.040 (20 × 2.00 ms) | no (0.8) | not held |")
+    assert ("unreachable at the compute floor in 1 of the 2 cells where it applies "
+            "(reachable in 1; the data cannot tell in 0)") in text  # fmt: skip
+
+
+def test_the_compute_floor_says_dash_where_the_data_cannot_tell(tmp_path: Path) -> None:
+    rows_of = lambda r: run_rows(tmp_path, r)  # noqa: E731
+    # every peer (the dense ring too) capped at 60 s: 60 / 5 = 12 s; the ring's 30 rounds
+    capped = {"runs": [*_floor_cell(tmp_path, 1.0, dense_s=None), run("ddp", None, 1.0)]}
+    assert verdict(capped, rows_of).splitlines()[2].endswith(
+        "| 0.060 (30 × 2.00 ms) | yes (≥ 200.0) | held |")  # fmt: skip
+    # ...but with 0.5 s of compute a round, a 15 s floor: the peers' true times could be either
+    slow = lambda r: [{**row, "compute_s": 0.5} for row in rows_of(r)]  # noqa: E731
+    text = verdict(capped, slow)
+    assert text.splitlines()[2].endswith(
+        "| 15.000 (30 × 500.00 ms) | – (peers capped at 60 s) | held |"
+    )
+    # auto-codec's rows without compute_s: no floor, counted apart
+    bare = lambda r: [{k: v for k, v in row.items() if k != "compute_s"} for row in rows_of(r)]  # noqa: E731
+    text = verdict(capped, bare)
+    assert text.splitlines()[2].endswith("| – | – (no floor) | held |")
+    assert (
+        "in 0 of the 1 cells where it applies (reachable in 0; the data cannot tell in 1)" in text
+    )
+    # a fixed run that reached the target and kept no rows counts its rounds (the job stops
+    # at the target); one whose curve does not end at the target leaves the floor a bound
+    hub = run("hub", 0.8, 10.0, target=0.9, rounds=10, curve=[[0.4, 0.5], [0.8, 0.95]])
+    doc = {"runs": [*_floor_cell(tmp_path, 10.0), hub, run("ddp", 0.3, 10.0)]}
+    assert "| 0.020 (10 × 2.00 ms) | yes (3.0) |" in verdict(doc, rows_of)
+    hub["curve"] = [[0.4, 0.5]]
+    assert "| ≤ 0.040 (20 × 2.00 ms) | yes (1.5) |" in verdict(doc, rows_of)
+    doc["runs"][-1]["seconds_to_target"] = 0.16  # 0.032 s: under the floor read so far
+    assert "| – (a run's rounds unknown) | not held |" in verdict(doc, rows_of)
