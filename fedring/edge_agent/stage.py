@@ -233,7 +233,13 @@ class StageHost:
                               "round %d, job %s: %s; ignored", self.me, len(msg.blob), msg.src,
                               msg.round, msg.job, why)  # fmt: skip
             return
-        flat = torch.frombuffer(bytearray(msg.blob), dtype=torch.float32)
+        # A stage without parameters (a flatten or an activation alone) gets an empty
+        # state, which `frombuffer` refuses with a ValueError that would end the daemon.
+        flat = (
+            torch.frombuffer(bytearray(msg.blob), dtype=torch.float32)
+            if msg.blob
+            else torch.zeros(0)
+        )
         sizes = (state_numel(run.module, False), state_numel(run.module, True))
         why = ""
         if flat_sha256(flat) != run.params_sha256:

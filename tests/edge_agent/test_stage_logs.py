@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 import pytest
+import torch
 
 from fedring.config import JobSpec
 from fedring.counters import Counters
@@ -34,12 +35,14 @@ def _host(sent: Sent) -> StageHost:
                      data_dir=None, budget=None, allowed_modules=())  # fmt: skip
 
 
-def _manifest(params_sha256: str) -> ControlMessage:
-    """Stage 1 of 2 (the layers that hold parameters) of job j, for agent a0."""
+def _manifest(params_sha256: str, stage: int = 1) -> ControlMessage:
+    """Stage 1 of 2 of job j for agent a0: the layers that hold parameters (stage 0 is
+    the flatten alone)."""
     spec = JobSpec(agents=2, pipeline_stages=2)
+    members = ["a1", "a0"] if stage == 1 else ["a0", "a1"]
     doc = {"mode": "pipeline", "key": "00" * 32, "job": "j", "epoch": 0,
-           "spec": spec.resolved(), "stage": 1, "members": ["a1", "a0"], "starts": [0, 1],
-           "boards": [["a1", 1.0, 1.0], ["a0", 1.0, 1.0]],
+           "spec": spec.resolved(), "stage": stage, "members": members, "starts": [0, 1],
+           "boards": [[m, 1.0, 1.0] for m in members],
            "params_sha256": params_sha256}  # fmt: skip
     return ControlMessage("manifest", "j", "coordinator", 0, doc, b"", True)
 
@@ -92,6 +95,22 @@ def test_models_while_the_stage_runs_are_counted_and_logged_a_few_times(
         assert len(got) == 5
         assert got[0] == (f"a0: a model of {len(blob)} bytes from coordinator for round 1, "
                           "job j: its stage runs; ignored")  # fmt: skip
+    finally:
+        host.halt("the test ends")
+        host.join()
+
+
+def test_the_empty_state_of_a_stage_without_parameters_is_taken(link: MqttLink) -> None:
+    """The coordinator sends a flatten-only stage an empty model; `frombuffer` once
+    raised on it, out of the daemon's loop."""
+    sent: Sent = []
+    host = _host(sent)
+    host.handle(_manifest(flat_sha256(torch.zeros(0)), stage=0), link)
+    assert host.current is not None and host.current.plan.stages[0].params == 0
+    try:
+        assert host.handle(_model(0, b""), link)
+        assert [kind for _, kind, _ in sent] == ["ack"]
+        assert host.counters.snapshot() == {}
     finally:
         host.halt("the test ends")
         host.join()
