@@ -16,7 +16,9 @@
    `checkpoint_every` steps (kept under OUT/stages/ once every stage's upload of a
    step is in), and replica 0 of the last stage reports its loss every `eval_every`.
 4. End: replica 0 of every stage uploads its final state (hash-checked), every member
-   says ``bye`` with its state's sha256 (the replicas of a stage must agree); the
+   says ``bye`` with its state's sha256 (the replicas of a stage must agree) and its
+   counters (checked: `pipeline_grid.read_counters`; refused ones are left out and
+   counted, ``bad_stage_counters``); the
    coordinator reassembles the model, evaluates it, writes the files
    (`pipeline_files`) and the summary, exports ONNX where it can.
 5. Failure: a stage lost (last-will or silence), a stage that stops (``nack``), or no
@@ -55,6 +57,7 @@ from fedring.coordinator.pipeline_grid import (
     Grid,
     GridJob,
     grid_summary,
+    read_counters,
     replicas_differ,
     shard_entries,
     stage_boards,
@@ -62,6 +65,7 @@ from fedring.coordinator.pipeline_grid import (
 from fedring.coordinator.service import Options
 from fedring.counters import Counters
 from fedring.firmware_profiles.apply import RUNTIME_MB
+from fedring.logs_limit import LogLimiter
 from fedring.pipeline.assignment import plan_from_shapes, stage_state
 from fedring.pipeline.cost import StageSplitError
 from fedring.pipeline.materialize import materialize, meta_layers
@@ -86,6 +90,7 @@ class PipelineCoordinator:
         self.fleet = StageFleet(cfg, self.counters)
         self.events: list[dict[str, Any]] = []  # re-formations
         self.rows: dict[int, dict[str, Any]] = {}  # the last stage's, by step (a redo replaces)
+        self._log = LogLimiter(log, "messages refused by the coordinator")
 
     def run(self) -> dict[str, Any]:
         start = time.perf_counter()
@@ -229,7 +234,7 @@ class PipelineCoordinator:
                 if self.opts.on_round is not None:
                     self.opts.on_round(int(row.get("round", 1)) - 1, row)
             elif msg.kind == "bye":
-                job.done[i] = msg.doc
+                job.done[i] = self._bye(job, i, msg)
         for s, flat in job.finals.items():  # the state uploaded is the one the stage ended with
             i = s * job.grid.replicas
             if flat_sha256(flat) != job.done[i].get("sha256"):
@@ -260,6 +265,17 @@ class PipelineCoordinator:
             log.info("pipeline checkpoint: every stage at step %d", step)
         # Saved: that stage may send its next upload.
         self.fleet.send(job.job, msg.src, "ack", {"epoch": job.epoch, "step": step})
+
+    def _bye(self, job: GridJob, i: int, msg: ControlMessage) -> dict[str, Any]:
+        """Member `i`'s bye, its counters checked: a refused object is left out of the
+        summary, counted and logged (rate-limited: a member may say bye again and again)."""
+        read = read_counters(msg.doc)
+        if read.refused:
+            self.counters.add("bad_stage_counters")
+            self._log.warning(msg.src, "bad_stage_counters", "pipeline job %s: the bye of %s: "
+                              "%s; its counters are left out", job.job, job.grid.who(i),
+                              read.refused)  # fmt: skip
+        return {**msg.doc, "counters": read.counters}
 
     # -- failures -----------------------------------------------------------------
 

@@ -7,7 +7,9 @@ of its D boards. With D > 1 replica d trains on shard d of the job's sharding
 (`make_shards` over D, as the in-process grid does), checked by its sha256 on the
 board; D = 1 trains on the whole training set, as before. Replica 0 of each stage
 uploads the checkpoints and the final state; every replica reports its final
-state's sha256, and the replicas of a stage must agree (`replicas_differ`).
+state's sha256, and the replicas of a stage must agree (`replicas_differ`). Each
+member's ``bye`` also carries its counters' gain in the job, which reach the summary's
+``agent_counters`` once `read_counters` has checked them (a bye is network input).
 
     >>> grid = Grid(["a0", "a1", "a2", "a3"], stages=2)   # D = 2
     >>> grid.at(1, 0), grid.where("a3")
@@ -29,6 +31,9 @@ from fedring.coordinator.pipeline_files import bubble, stage_rows
 from fedring.pipeline.partition import Board, StagePlan
 from fedring.training.datasets import Dataset
 from fedring.training.sharding import build_manifest, make_shards
+
+MAX_COUNTERS = 512  # names in one bye's counters (fedring bumps about 150)
+MAX_COUNTER_NAME = 64  # characters in one name (the longest fedring bumps has 28)
 
 
 @dataclass
@@ -90,6 +95,7 @@ class GridJob:
                 "starts": [x.start for x in plan.stages], "start_step": self.start,
                 "params_sha256": params_sha256}  # fmt: skip
 
+
 def stage_boards(boards: Sequence[Board], stages: int) -> list[Board]:
     """Stage s's board: the slowest speed and the smallest budget of its D boards."""
     replicas = len(boards) // stages
@@ -113,6 +119,40 @@ def shard_entries(data: Dataset, replicas: int, scheme: str, seed: int) -> list[
     return [table.entry(d).to_dict() for d in range(replicas)]
 
 
+@dataclass(frozen=True)
+class ByeCounters:
+    """A member's counters from its ``bye``: accepted, or refused with the reason."""
+
+    counters: dict[str, int]
+    refused: str = ""  # why the whole object was left out ('' if it was not)
+
+
+def read_counters(bye: Mapping[str, Any]) -> ByeCounters:
+    """The ``counters`` of a member's `bye`: an object of at most `MAX_COUNTERS` names
+    (strings of 1 to `MAX_COUNTER_NAME` characters), each a non-negative integer. Absent
+    (an older agent): none. Anything else is refused whole, the reason naming the field
+    and the value (shortened: a bye may be a megabyte).
+
+        >>> read_counters({"counters": {"pp-act_sent": 40}})
+        ByeCounters(counters={'pp-act_sent': 40}, refused='')
+        >>> read_counters({"counters": {"duplicate": -1}}).refused
+        "field 'counters' entry 'duplicate' = -1: not a non-negative integer"
+    """
+    raw = bye.get("counters", {})
+    if not isinstance(raw, dict):
+        return ByeCounters({}, f"field 'counters' = {raw!r:.60}: not an object")
+    if len(raw) > MAX_COUNTERS:
+        return ByeCounters({}, f"field 'counters' has {len(raw)} names, more than {MAX_COUNTERS}")
+    for name, value in raw.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_COUNTER_NAME:
+            return ByeCounters({}, f"field 'counters' name {name!r:.80}: not a string of 1 to "
+                                   f"{MAX_COUNTER_NAME} characters")  # fmt: skip
+        if type(value) is not int or value < 0:  # bool is an int: true is no count
+            return ByeCounters({}, f"field 'counters' entry {name!r} = {value!r:.40}: not a "
+                                   "non-negative integer")  # fmt: skip
+    return ByeCounters(dict(raw))
+
+
 def replicas_differ(grid: Grid, done: Mapping[int, Mapping[str, Any]]) -> str:
     """Why the replicas of a stage did not end with the same state ('' if they did)."""
     for s in range(grid.stages):
@@ -126,7 +166,8 @@ def replicas_differ(grid: Grid, done: Mapping[int, Mapping[str, Any]]) -> str:
 def grid_summary(grid: Grid, plan: StagePlan, done: Mapping[int, Mapping[str, Any]],
                  runtime_mb: float) -> dict[str, Any]:  # fmt: skip
     """The summary's fields on the grid, from every member's ``bye`` (stage rows and the
-    bubble from replica 0's; bytes a mean over every member)."""
+    bubble from replica 0's; bytes a mean over every member; each member's counters,
+    checked on arrival, under ``agent_counters`` as a data-parallel job's summary)."""
     s_count, d_count = grid.stages, grid.replicas
     firsts = {s: done[s * d_count] for s in range(s_count)}
     return {
@@ -142,4 +183,6 @@ def grid_summary(grid: Grid, plan: StagePlan, done: Mapping[int, Mapping[str, An
         "bubble_fraction": bubble(plan, firsts),
         "bytes_sent_per_agent": sum(number(d.get("bytes_sent")) for d in done.values())
         / len(done),
+        "agent_counters": {grid.members[i]: dict(d.get("counters", {}))
+                           for i, d in sorted(done.items())},
     }  # fmt: skip

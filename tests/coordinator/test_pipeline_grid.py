@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedring.coordinator.pipeline_grid import Grid, replicas_differ, shard_entries, stage_boards
+from fedring.coordinator.pipeline_grid import (
+    MAX_COUNTERS,
+    Grid,
+    read_counters,
+    replicas_differ,
+    shard_entries,
+    stage_boards,
+)
 from fedring.pipeline.assignment import shard_of
 from fedring.pipeline.partition import Board
 from fedring.training.datasets import load_dataset
@@ -67,3 +74,38 @@ def test_a_measured_split_is_refused_before_the_broker(tmp_path) -> None:  # typ
     with pytest.raises(PipelineError, match=r"'pipeline_cost'='measured'"):
         coord.run()
     assert coord.counters.get("pipeline_refused") == 1
+
+
+def test_a_byes_counters_are_taken_as_sent_or_absent() -> None:
+    sent = {"pp-act_sent": 40, "frame_bad_mac": 0, "x" * 64: 2**63}
+    assert read_counters({"counters": sent}).counters == sent
+    assert read_counters({"counters": sent}).refused == ""
+    assert read_counters({"sha256": "ab"}) == read_counters({"counters": {}})  # an older agent
+    assert read_counters({}).counters == {} and read_counters({}).refused == ""
+
+
+@pytest.mark.parametrize(
+    ("counters", "fragment"),
+    [
+        ([["a", 1]], "field 'counters' = [['a', 1]]: not an object"),
+        ("x" * 10_000, "field 'counters' = '" + "x" * 59 + ": not an object"),
+        ({"duplicate": -1}, "entry 'duplicate' = -1: not a non-negative integer"),
+        ({"duplicate": True}, "entry 'duplicate' = True: not a non-negative"),
+        ({"duplicate": 1.5}, "entry 'duplicate' = 1.5: not a non-negative"),
+        ({"duplicate": "3"}, "entry 'duplicate' = '3': not a non-negative"),
+        ({"duplicate": {"n": 1}}, "entry 'duplicate' = {'n': 1}: not a non-negative"),
+        ({"": 1}, "name '': not a string of 1 to 64 characters"),
+        ({"y" * 65: 1}, "name '" + "y" * 65 + "': not a string of 1 to 64"),
+        ({3: 1}, "name 3: not a string"),
+        ({f"c{i}": 1 for i in range(MAX_COUNTERS + 1)}, "has 513 names, more than 512"),
+    ],
+    ids=["list", "huge-string", "negative", "bool", "float", "string", "object", "empty-name",
+         "long-name", "int-name", "too-many"],
+)  # fmt: skip
+def test_a_malformed_counters_object_is_refused_whole_naming_the_field(
+    counters: object, fragment: str
+) -> None:
+    got = read_counters({"counters": counters, "sha256": "ab"})
+    assert got.counters == {}
+    assert fragment in got.refused, got.refused
+    assert len(got.refused) < 200  # a megabyte's value is not copied into the log
