@@ -254,7 +254,10 @@ class CollectivePlans:
             steps = spec.local_steps if spec.sync != "sync" else 1
             compute = max((fleet.step_s.get(a, 0.0) for a in planned.members), default=0.0)
             chosen = planned.choice.predicted_s[planned.choice.algorithm]
-            gate = self._checkpoint_wait(spec, planned, fleet) / spec.checkpoint_every
+            # the head waits for the checkpoint before the last: the newest one's wait
+            # overlaps the `checkpoint_every` rounds after it (`running.Running.gate`)
+            every, rnd = spec.checkpoint_every, chosen + steps * compute
+            gate = max(0.0, self._checkpoint_wait(spec, planned, fleet) - every * rnd) / every
             choice: dict[str, Any] = planned.choice.to_dict()
             if self.codecs:
                 choice["codec"] = codec_of(planned.choice.algorithm, spec.compression)

@@ -318,7 +318,10 @@ class AgentDaemon:
 
         def upload(r: int) -> None:
             """Send the parameters at the start of round r for the checkpoint."""
-            params = worker.params
+            params = worker.params_at(r)
+            if params is None:  # past the kept states: the coordinator's wait re-forms
+                log.warning("%s: asked for the model of round %d, no longer held", self.me, r)
+                return
             doc = {"round": r, "sha256": flat_sha256(params), "epoch": seg.epoch}
             self._send(seg.job, "model", doc, flat_bytes(params), round=r)
 
@@ -353,7 +356,7 @@ class AgentDaemon:
                 if uploaded[0] != worker.committed:
                     checkpoint(worker.committed)  # the final state, before the bye
                 if head:  # saved, patched or (asked for) whole, before the bye
-                    run.gate(worker.committed, 1, patience, upload)
+                    run.gate(worker.committed, 1, patience, upload, ahead=0)
                 result["epoch"] = seg.epoch
                 star = centre.stats.bytes_sent if centre is not None else 0
                 result["ring_bytes_sent"] = endpoint.stats.bytes_sent + star

@@ -3,8 +3,9 @@
 The daemon's control loop and the segment's thread share this: the loop sets `halt`
 (a ``bye`` or the coordinator gone) and passes on the coordinator's checkpoint acks
 (`ack`); the head's thread waits in `gate` before each round until the state at the
-last checkpoint round is saved, so that agents never run more than `checkpoint_every`
-rounds past what a restarted coordinator can resume from.
+checkpoint round before the last one is saved, so that agents never run more than
+``2 x checkpoint_every`` rounds past what a restarted coordinator can resume from,
+and the newest checkpoint's round trip and save are off the rounds' path.
 """
 
 from __future__ import annotations
@@ -28,28 +29,33 @@ class Running:
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def gate(
-        self, r: int, every: int, patience: float, upload: Callable[[int], None] | None = None
+        self, r: int, every: int, patience: float, upload: Callable[[int], None] | None = None,
+        *, ahead: int = 1,
     ) -> None:
-        """The head starts round r once the state at the last checkpoint round at or
-        before r is saved, so a restarted coordinator redoes at most `every` rounds.
-        Asked for the whole model of that round meanwhile (`want`), it `upload`s it:
-        it holds that state while it waits."""
+        """The head starts round r once the state at the checkpoint round `ahead`
+        checkpoints before the last one at or before r is saved: with ``ahead = 1`` the
+        newest checkpoint's upload, patches and save overlap the next `every` rounds, and
+        a restarted coordinator redoes at most ``2 x every`` rounds (``ahead = 0``: the
+        last one itself, as before the bye). Asked meanwhile for the whole model of a
+        round not yet saved (`want`), it `upload`s it from the state it holds."""
         deadline = Deadline.after(patience)
-        need = r - r % every
+        need = r - r % every - ahead * every
         while True:
             with self.cond:
                 while (self.acked < need and not self.halt.is_set()
-                       and self.wanted != need):  # fmt: skip
+                       and self.wanted <= self.acked):  # fmt: skip
                     if deadline.expired:
-                        raise CollectiveTimeout(f"no checkpoint ack for round {r}")
+                        raise CollectiveTimeout(f"no checkpoint ack for round {need}")
                     self.cond.wait(min(0.5, deadline.remaining()))
-                send = self.wanted == need and self.acked < need and not self.halt.is_set()
+                wanted = self.wanted if self.wanted > self.acked else -1
                 self.wanted = -1
-            if not send or upload is None:
-                break
-            upload(need)  # outside the lock: the ack that follows must get in
-        if self.halt.is_set():
-            raise Halted(f"halted before round {r}")
+            if self.halt.is_set():
+                raise Halted(f"halted before round {r}")
+            if wanted >= 0 and upload is not None:
+                upload(wanted)  # outside the lock: the ack that follows must get in
+                continue
+            if self.acked >= need:
+                return
 
     def ack(self, r: int) -> None:
         with self.cond:
@@ -57,7 +63,8 @@ class Running:
             self.cond.notify_all()
 
     def want(self, r: int) -> None:
-        """The coordinator asks for the whole model at the start of round r."""
+        """The coordinator asks for the whole model at the start of round r (the newest
+        ask wins: its save acks the older rounds too)."""
         with self.cond:
-            self.wanted = r
+            self.wanted = max(self.wanted, r)
             self.cond.notify_all()

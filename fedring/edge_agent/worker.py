@@ -178,13 +178,24 @@ class JobWorker:
         assert self.member is not None
         self.states[r] = self.member.state.snapshot()
         self.states.move_to_end(r)
-        # The coordinator may restart the ring from either of the two newest
-        # checkpoint rounds (the newer one's upload may not be saved yet): keep both.
+        # The coordinator may restart the ring from any of the three newest checkpoint
+        # rounds: the head runs one checkpoint ahead of the last saved one
+        # (`running.Running.gate`), so the two newer uploads may not be saved yet.
         every = self.spec.checkpoint_every
-        keep = sorted(k for k in self.states if k % every == 0)[-2:]
+        keep = sorted(k for k in self.states if k % every == 0)[-3:]
         while len(self.states) > KEEP_SNAPSHOTS:
             oldest = next(k for k in self.states if k not in keep)
             del self.states[oldest]
+
+    def params_at(self, r: int) -> torch.Tensor | None:
+        """The flat parameters at the start of round `r`: the model's own where that is
+        where it stands, else a kept snapshot's; None where neither holds it."""
+        if r == self.committed:
+            return self.params
+        st = self.states.get(r)
+        if st is None:
+            return None
+        return torch.cat([st["model"][n].reshape(-1) for n in self._param_names])
 
     def state_sha256(self, r: int) -> str | None:
         if r == 0 and not self.states and self.initial is not None:

@@ -246,17 +246,24 @@ def test_compression_auto_weighs_the_measured_compute_with_group_topks_extra_rou
 def test_the_predicted_round_counts_the_members_checkpoint_patches_not_a_whole_upload() -> None:
     """With the checkpoint stream the head waits for the members' patches of their
     slices (a third of the model each in a ring of 4), not for its own whole upload;
-    the ``hybrid`` rule keeps the whole upload."""
+    the ``hybrid`` rule keeps the whole upload. The head runs one checkpoint ahead, so
+    a round pays only the part of that wait its own round does not cover."""
     job = spec("ring").replace(checkpoint_every=1)
     plans, f = CollectivePlans(hop_prior_s=0.0), fleet()
     plans.plan(job, 0, MEMBERS, f, NUMEL, 0)
     [epoch] = plans.summary(job, {}, f)
     allreduce = epoch["predicted_s"]["ring"]
     slice_up = HELLO["rtt_s"] + 4 * NUMEL / 3 / HELLO["up_bps"]
-    assert abs(epoch["predicted_round_s"] - (allreduce + slice_up)) < 2e-6
+    assert slice_up > allreduce  # else the wait would be hidden whole: nothing to check
+    assert abs(epoch["predicted_round_s"] - slice_up) < 2e-6  # allreduce + (slice_up - it)
     hybrid = job.replace(aggregation="hybrid:1")
     [whole] = plans.summary(hybrid, {}, f)
     assert (
         whole["predicted_round_s"]
         > epoch["predicted_round_s"] + 2 * 4 * NUMEL / 3 / HELLO["up_bps"] - 1e-6
     )
+    # every 4 rounds: the wait overlaps 4 rounds, and what is left is spread over them
+    [four] = plans.summary(job.replace(checkpoint_every=4), {}, f)
+    assert abs(four["predicted_round_s"] - (allreduce + (slice_up - 4 * allreduce) / 4)) < 2e-6
+    [eight] = plans.summary(job.replace(checkpoint_every=8), {}, f)  # hidden whole
+    assert 8 * allreduce > slice_up and abs(eight["predicted_round_s"] - allreduce) < 2e-6

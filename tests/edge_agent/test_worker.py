@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from fedring.build import plan
 from fedring.collective import CollectiveTimeout
@@ -25,21 +26,38 @@ def _worker(every: int) -> JobWorker:
     return w
 
 
-def test_the_two_newest_checkpoint_rounds_outlive_the_recent_snapshots() -> None:
+def test_the_three_newest_checkpoint_rounds_outlive_the_recent_snapshots() -> None:
     w = _worker(every=5)
     for r in range(1, 13):
         set_flat_params(w.model, w.params + 1.0)  # a different state every round
         w._keep(r)
     assert 10 in w.states and len(w.states) == KEEP_SNAPSHOTS
-    assert set(w.states) == {5, 10, 11, 12}
+    assert set(w.states) == {0, 5, 10, 12}  # round 0 (`bind`) is a checkpoint round
     for r in range(13, 16):
         w._keep(r)
-    # 15's upload may not be saved yet: a re-formed ring could restart at 10 or 15.
-    assert set(w.states) == {10, 13, 14, 15}
+    # 15's upload and 10's may not be saved yet: a re-formed ring could restart at 5,
+    # 10 or 15 (the head runs one checkpoint ahead of the last saved).
+    assert set(w.states) == {5, 10, 14, 15}
     w._keep(16)
-    assert set(w.states) == {10, 14, 15, 16}
-    assert w.restore(10) and w.committed == 10
+    assert set(w.states) == {5, 10, 15, 16}
+    assert w.restore(5) and w.committed == 5
     assert not w.restore(12)
+
+
+def test_a_kept_round_gives_its_own_parameters() -> None:
+    w = _worker(every=1)
+    seen = {}
+    for r in range(1, 5):
+        set_flat_params(w.model, w.params + 1.0)
+        w._keep(r)
+        seen[r] = w.params.clone()
+    w.committed = 4
+    assert all(torch.equal(w.params_at(r), seen[r]) for r in (2, 3, 4))  # type: ignore[arg-type]
+    set_flat_params(w.model, w.params + 1.0)  # round 4 ran: the model is past it
+    w.committed = 5
+    assert torch.equal(w.params_at(5), w.params)  # type: ignore[arg-type]
+    assert torch.equal(w.params_at(4), seen[4])  # type: ignore[arg-type]
+    assert w.params_at(0) is None  # dropped long ago
 
 
 def test_every_round_checkpoints_keep_only_the_recent_rounds() -> None:
@@ -54,15 +72,18 @@ def _segment() -> Segment:
                    params_sha256="", head="a0")  # fmt: skip
 
 
-def test_the_head_waits_only_for_the_last_checkpoint_round() -> None:
+def test_the_head_runs_one_checkpoint_ahead_of_the_last_saved() -> None:
     run = _Running(_segment(), threading.Thread(), acked=5)
-    run.gate(9, every=5, patience=0.05)  # round 5 is saved: rounds 5..9 may run
+    run.gate(14, every=5, patience=0.05)  # round 5 is saved: 10's may be on its way
     with pytest.raises(CollectiveTimeout):
-        run.gate(10, every=5, patience=0.05)
+        run.gate(15, every=5, patience=0.05)  # 10's is not saved yet
     run.ack(10)
-    run.gate(10, every=5, patience=0.05)
+    run.gate(19, every=5, patience=0.05)
+    run.gate(11, every=1, patience=0.05)  # every round: the one before last, 10
     with pytest.raises(CollectiveTimeout):
-        run.gate(11, every=1, patience=0.05)
+        run.gate(12, every=1, patience=0.05)
+    with pytest.raises(CollectiveTimeout):  # before the bye: the last one itself
+        run.gate(11, every=1, patience=0.05, ahead=0)
 
 
 def test_the_ring_frame_size_from_the_manifest_is_used() -> None:
@@ -105,7 +126,20 @@ def test_a_head_asked_for_its_whole_model_sends_it_and_still_waits_for_the_ack()
     run.want(5)
     run.gate(5, every=1, patience=1.0, upload=upload)
     assert sent == [5] and run.acked == 5
-    run.want(3)  # a request for another round than the one waited at: not sent
-    with pytest.raises(CollectiveTimeout):
-        run.gate(6, every=1, patience=0.05, upload=upload)
+    run.want(3)  # a round already saved: not sent
+    run.gate(6, every=1, patience=0.05, upload=upload)
     assert sent == [5]
+    with pytest.raises(CollectiveTimeout):
+        run.gate(7, every=1, patience=0.05, upload=upload)
+    assert sent == [5]
+
+
+def test_a_want_for_an_earlier_round_is_served_at_the_next_gate() -> None:
+    """A round's patches refused while the head ran on: it uploads that round's state
+    at its next gate even where the gate would not wait, and the newest ask wins."""
+    run = _Running(_segment(), threading.Thread(), acked=4)
+    sent: list[int] = []
+    run.want(5)
+    run.want(6)  # 6's patches refused too: its save acks 5 as well
+    run.gate(6, every=1, patience=1.0, upload=lambda r: (sent.append(r), run.ack(r)))
+    assert sent == [6] and run.acked == 6

@@ -202,7 +202,7 @@ def test_a_hung_agent_is_lost_within_1_5_keepalives_and_the_job_finishes(
     _threads(summary)
 
 
-def test_coordinator_killed_and_resumed_loses_at_most_one_round(
+def test_coordinator_killed_and_resumed_redoes_at_most_two_rounds(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
     job = job_file(tmp_path, rounds=300, target=0.0)
@@ -217,7 +217,8 @@ def test_coordinator_killed_and_resumed_loses_at_most_one_round(
     summary = finish(coordinator(broker.url, job, out, "--resume"))
     stopped = [int(line.rsplit("at round ", 1)[1].split(":")[0])
                for line in fleet.log("a0").splitlines() if "stopped at round" in line]  # fmt: skip
-    assert stopped and stopped[-1] - saved <= 1  # at most one round redone
+    # the head runs one checkpoint ahead of the last saved (`Running.gate`)
+    assert stopped and stopped[-1] - saved <= 2  # at most 2 x checkpoint_every redone
     assert summary["rounds"] == 300 and summary["identical_models"]
     assert summary["model_hashes"] == [_fault_free_hash(job)]  # states restored exactly
     # The history survives the crash: every round's row once, the resume among the
