@@ -126,9 +126,9 @@ class JobSpec:
     resync: str = "mixed"
     resync_every: int = 50
     timeout_s: float = 60.0  # deadline of every ring step
-    # Over MQTT the ring's head uploads its dense parameters for the coordinator's
-    # checkpoint every this many rounds (and at the end); `--resume` and a re-formed
-    # ring redo at most this many rounds. Each upload costs one dense model.
+    # Over MQTT the coordinator checkpoints the ring's model every this many rounds
+    # (and at the end), from the members' patches of their slices; `--resume` and a
+    # re-formed ring redo at most twice this many rounds (one checkpoint in flight).
     checkpoint_every: int = 1
     # Sync: cut the gradient into buckets of about this many KB (fp32), in backward
     # order, and compress and all-reduce each while backward goes on; 0 = off.

@@ -325,8 +325,9 @@ class SegmentRunner(ControlPort):
             return
         self._save(ep, params, msg.round)
         self.replica.reset(params, msg.round)  # the members' next patches apply to it
-        # The head waits for this before starting the round: agents never get more
-        # than one round ahead of what a restarted coordinator can resume from.
+        # The head waits for this before the next checkpoint round's rounds: agents
+        # never get more than two checkpoints ahead of what a restarted coordinator
+        # can resume from (`edge_agent.running.Running.gate`).
         self._send(msg.src, "ack", {"epoch": ep.number, "round": msg.round})
 
     def _save(self, ep: Epoch, params: torch.Tensor, rnd: int) -> None:
