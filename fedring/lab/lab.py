@@ -28,6 +28,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import fedring
 from fedring.config import JobSpec
 from fedring.lab import impair, netns
 from fedring.lab.impair import Loss, apply_loss
@@ -35,7 +36,21 @@ from fedring.lab.netns import AGENT_IFACE, Net
 from fedring.report.files import atomic_write
 from fedring.transport.mosquitto import Mosquitto
 
+# Where this fedring is imported from: first on the lab's processes' path, with
+# PYTHONSAFEPATH, so that ``python -m fedring`` runs this code and not a ``fedring/``
+# folder in the working directory (which ``-m`` would otherwise put first).
+CODE_ROOT = Path(fedring.__file__).resolve().parent.parent
+
 log = logging.getLogger(__name__)
+
+
+def same_code(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` for a process that must run this fedring (`CODE_ROOT`) whatever its
+    working directory holds."""
+    installed = CODE_ROOT.name in ("site-packages", "dist-packages")  # found there anyway
+    path = [*([] if installed else [str(CODE_ROOT)]), *filter(None, [env.get("PYTHONPATH")])]
+    return {**env, "PYTHONPATH": os.pathsep.join(path), "PYTHONSAFEPATH": "1"}
+
 
 BROKER_PORT = 1883
 
@@ -142,7 +157,7 @@ class Lab:
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
                 [*self.net.exec(node), *argv], stdout=out, stderr=subprocess.STDOUT,
-                env=dict(env) if env is not None else None, start_new_session=True,
+                env=same_code(os.environ if env is None else env), start_new_session=True,
             )  # fmt: skip
         self.procs.append((f"{node}:{Path(argv[0]).name}", proc))
         self._record()

@@ -173,3 +173,22 @@ def test_loss_and_delay_reach_the_agents_links(make_lab: Callable[..., Lab]) -> 
     # and a round of 2 agents has 2 steps
     per_round = result["rows"][-1]["wall_s"] / 30
     assert per_round >= 0.12, per_round
+
+
+def test_the_labs_processes_run_this_fedring_not_the_working_directorys(
+    make_lab: Callable[..., Lab], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m fedring` puts its working directory first on sys.path: a ``fedring/``
+    folder there (another checkout, an old copy) would run in the lab's agents while
+    the caller ran this one."""
+    import fedring
+
+    impostor = tmp_path / "cwd"
+    (impostor / "fedring").mkdir(parents=True)
+    (impostor / "fedring" / "__init__.py").write_text("")
+    monkeypatch.chdir(impostor)
+    lab = make_lab(1, 50.0)
+    log = tmp_path / "which.log"
+    proc = lab.launch("a0", [sys.executable, "-c", "import fedring; print(fedring.__file__)"], log)
+    assert proc.wait(30) == 0, log.read_text()
+    assert log.read_text().strip() == fedring.__file__
