@@ -130,12 +130,7 @@ class AgentDaemon:
                 item = self.link.control.get(timeout=0.2)
             except queue.Empty:
                 continue
-            try:
-                self._handle(item)
-            except FrameError as exc:
-                self.counters.add(f"frame_{exc.reason.value}")
-                self._log.warning(item.src, exc.reason.value, "%s refused a control message "
-                                  "from %s: %s", self.me, item.src, exc)  # fmt: skip
+            self._take(item)
         self._halt("shutting down")
         self.stages.halt("shutting down")
         self._join()
@@ -179,6 +174,19 @@ class AgentDaemon:
 
     # -- control messages -------------------------------------------------------
 
+    def _take(self, item: Control) -> None:
+        """Handle one control item; whatever it is, the agent goes on."""
+        try:
+            self._handle(item)
+        except FrameError as exc:
+            self.counters.add(f"frame_{exc.reason.value}")
+            self._log.warning(item.src, exc.reason.value, "%s refused a control message "
+                              "from %s: %s", self.me, item.src, exc)  # fmt: skip
+        except Exception as exc:  # a message no check foresaw must not end the agent
+            self.counters.add("control_error")
+            self._log.exception(item.src, type(exc).__name__, "%s: error handling a control "
+                                "message from %s", self.me, item.src)  # fmt: skip
+
     def _handle(self, item: Control) -> None:
         if item.kind == "member" and item.src == topics.COORDINATOR and item.event is not None:
             if item.event.kind in ("lost", "left"):
@@ -204,10 +212,13 @@ class AgentDaemon:
         elif msg.kind == "ack":
             run = self.running
             if run is not None and msg.doc.get("epoch") == run.seg.epoch:
+                rnd = msg.doc.get("round", 0)
+                if isinstance(rnd, bool) or not isinstance(rnd, int):
+                    raise FrameError(FrameReason.MALFORMED, f"ack: round={rnd!r}, not an integer")
                 if msg.doc.get("send") == "model":  # its copy is off: the head's whole model
-                    run.want(int(msg.doc.get("round", 0)))
+                    run.want(rnd)
                 else:
-                    run.ack(int(msg.doc.get("round", 0)))
+                    run.ack(rnd)
         elif msg.kind == "bye":
             epoch = msg.doc.get("epoch")
             why = msg.doc.get("why", "")

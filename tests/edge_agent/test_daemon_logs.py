@@ -64,3 +64,44 @@ def test_sealed_frames_before_a_manifest_log_a_few_lines(
             daemon._handle(Control("frame", "coordinator", frame, "job-1"))
     assert daemon.counters.get("frame_before_manifest") == 200
     assert _lines(caplog) == ["a1 dropped a sealed frame of job 'job-1' sent before it started"] * 5
+
+
+def test_a_control_message_that_raises_is_counted_and_the_agent_goes_on(
+    daemon: AgentDaemon, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever a handler raises (here, a stand-in bug in the manifest's), the daemon's
+    loop counts it, logs a few tracebacks and takes the next message."""
+
+    def broken(msg: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(daemon, "_on_manifest", broken)
+    coordinator = ControlCodec("coordinator")
+    with caplog.at_level(logging.INFO, LOGGER):
+        for _ in range(20):
+            [frame] = coordinator.encode("manifest", "job-1", "a1", {}, sign=False)
+            daemon._take(Control("frame", "coordinator", frame, "job-1"))
+    assert daemon.counters.get("control_error") == 20
+    traced = [r for r in caplog.records if r.name == LOGGER and r.exc_info]
+    assert len(traced) == 5 and "RuntimeError: a bug" in caplog.text
+
+
+def test_an_ack_whose_round_is_not_an_integer_is_refused(
+    daemon: AgentDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+
+    from fedring.edge_agent.running import Running
+    from fedring.edge_agent.worker import Segment
+
+    seg = Segment(job="job-1", epoch=3, members=["a1", "a2"], start_round=0,
+                  params_sha256="", head="a1")  # fmt: skip
+    daemon.running = Running(seg, threading.Thread(), acked=4)
+    coordinator = ControlCodec("coordinator")
+    with caplog.at_level(logging.INFO, LOGGER):
+        for rnd in ("7", 7.5, None, True):
+            [frame] = coordinator.encode("ack", "job-1", "a1", {"epoch": 3, "round": rnd},
+                                         sign=False)  # fmt: skip
+            daemon._take(Control("frame", "coordinator", frame, "job-1"))
+    assert daemon.counters.get("frame_malformed") == 4 and daemon.running.acked == 4
+    assert "ack: round='7', not an integer" in caplog.text
