@@ -17,7 +17,7 @@
    step is in), and replica 0 of the last stage reports its loss every `eval_every`.
 4. End: replica 0 of every stage uploads its final state (hash-checked), every member
    says ``bye`` with its state's sha256 (the replicas of a stage must agree) and its
-   counters (checked: `pipeline_grid.read_counters`; refused ones are left out and
+   counters (checked: `byes.read_counters`; refused ones are left out and
    counted, ``bad_stage_counters``); the
    coordinator reassembles the model, evaluates it, writes the files
    (`pipeline_files`) and the summary, exports ONNX where it can.
@@ -42,6 +42,7 @@ import torch
 from fedring.build import task_of
 from fedring.config import JobSpec
 from fedring.coordinator import pipeline_files as files
+from fedring.coordinator.byes import read_counters
 from fedring.coordinator.lease import check_broker
 from fedring.coordinator.membership import number
 from fedring.coordinator.outputs import append_row
@@ -57,7 +58,6 @@ from fedring.coordinator.pipeline_grid import (
     Grid,
     GridJob,
     grid_summary,
-    read_counters,
     replicas_differ,
     shard_entries,
     stage_boards,

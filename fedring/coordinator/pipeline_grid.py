@@ -9,7 +9,7 @@ board; D = 1 trains on the whole training set, as before. Replica 0 of each stag
 uploads the checkpoints and the final state; every replica reports its final
 state's sha256, and the replicas of a stage must agree (`replicas_differ`). Each
 member's ``bye`` also carries its counters' gain in the job, which reach the summary's
-``agent_counters`` once `read_counters` has checked them (a bye is network input).
+``agent_counters`` once `byes.read_counters` has checked them (a bye is network input).
 
     >>> grid = Grid(["a0", "a1", "a2", "a3"], stages=2)   # D = 2
     >>> grid.at(1, 0), grid.where("a3")
@@ -31,9 +31,6 @@ from fedring.coordinator.pipeline_files import bubble, stage_rows
 from fedring.pipeline.partition import Board, StagePlan
 from fedring.training.datasets import Dataset
 from fedring.training.sharding import build_manifest, make_shards
-
-MAX_COUNTERS = 512  # names in one bye's counters (fedring bumps about 150)
-MAX_COUNTER_NAME = 64  # characters in one name (the longest fedring bumps has 28)
 
 
 @dataclass
@@ -117,40 +114,6 @@ def shard_entries(data: Dataset, replicas: int, scheme: str, seed: int) -> list[
     table = build_manifest(data, make_shards(data.y_train.numpy(), replicas, scheme, seed),
                            scheme, seed)  # fmt: skip
     return [table.entry(d).to_dict() for d in range(replicas)]
-
-
-@dataclass(frozen=True)
-class ByeCounters:
-    """A member's counters from its ``bye``: accepted, or refused with the reason."""
-
-    counters: dict[str, int]
-    refused: str = ""  # why the whole object was left out ('' if it was not)
-
-
-def read_counters(bye: Mapping[str, Any]) -> ByeCounters:
-    """The ``counters`` of a member's `bye`: an object of at most `MAX_COUNTERS` names
-    (strings of 1 to `MAX_COUNTER_NAME` characters), each a non-negative integer. Absent
-    (an older agent): none. Anything else is refused whole, the reason naming the field
-    and the value (shortened: a bye may be a megabyte).
-
-        >>> read_counters({"counters": {"pp-act_sent": 40}})
-        ByeCounters(counters={'pp-act_sent': 40}, refused='')
-        >>> read_counters({"counters": {"duplicate": -1}}).refused
-        "field 'counters' entry 'duplicate' = -1: not a non-negative integer"
-    """
-    raw = bye.get("counters", {})
-    if not isinstance(raw, dict):
-        return ByeCounters({}, f"field 'counters' = {raw!r:.60}: not an object")
-    if len(raw) > MAX_COUNTERS:
-        return ByeCounters({}, f"field 'counters' has {len(raw)} names, more than {MAX_COUNTERS}")
-    for name, value in raw.items():
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_COUNTER_NAME:
-            return ByeCounters({}, f"field 'counters' name {name!r:.80}: not a string of 1 to "
-                                   f"{MAX_COUNTER_NAME} characters")  # fmt: skip
-        if type(value) is not int or value < 0:  # bool is an int: true is no count
-            return ByeCounters({}, f"field 'counters' entry {name!r} = {value!r:.40}: not a "
-                                   "non-negative integer")  # fmt: skip
-    return ByeCounters(dict(raw))
 
 
 def replicas_differ(grid: Grid, done: Mapping[int, Mapping[str, Any]]) -> str:

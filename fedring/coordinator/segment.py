@@ -24,6 +24,7 @@ from fedring.build import needs_centre, plan
 from fedring.config import JobSpec
 from fedring.coordinator import epoch as decide
 from fedring.coordinator import outputs
+from fedring.coordinator.byes import read_counters
 from fedring.coordinator.centre import StarCentre, evaluator
 from fedring.coordinator.collectives import CollectivePlans
 from fedring.coordinator.degrade import Degrade
@@ -227,7 +228,7 @@ class SegmentRunner(ControlPort):
             self._on_model(ep, msg)
             return "", True
         elif msg.kind == "bye":
-            ep.done[msg.src] = msg.doc
+            ep.done[msg.src] = self._bye(msg)
             return "", True
         elif msg.kind != "metrics":  # (a metrics row belongs on the metrics topic: ignored)
             self.counters.add("control_unknown_kind")
@@ -235,6 +236,16 @@ class SegmentRunner(ControlPort):
                               "job %s: not a kind the coordinator reads; ignored", msg.kind,
                               msg.src, msg.job)  # fmt: skip
         return "", False
+
+    def _bye(self, msg: ControlMessage) -> dict[str, Any]:
+        """A member's bye with its counters checked (`byes.read_counters`): refused ones
+        are left out of the summary, counted and logged."""
+        read = read_counters(msg.doc)
+        if read.refused:
+            self.counters.add("bad_agent_counters")
+            self._log.warning(msg.src, "bad_agent_counters", "the bye of %s: %s; its "
+                              "counters are left out", msg.src, read.refused)  # fmt: skip
+        return {**msg.doc, "counters": read.counters}
 
     def _take(self, ep: Epoch, who: str, verdict: decide.Verdict) -> tuple[str, bool]:
         """(the reason to re-form, False); an asynchronous job that goes on without

@@ -80,7 +80,7 @@ def assemble(
         "epochs": ep.number + 1,
         "reformations": reformations,
         "events": events,
-        "agent_threads": {a: d.get("threads", 0) for a, d in ep.done.items()},
+        "agent_threads": {a: int(number(d.get("threads"))) for a, d in ep.done.items()},
         "machines": {a: fleet.machine(a) for a in ep.members},
         "drift": drift,
         "probe": fleet.probes(ep.members),

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedring.coordinator.byes import MAX_COUNTERS, read_counters
 from fedring.coordinator.pipeline_grid import (
-    MAX_COUNTERS,
     Grid,
-    read_counters,
     replicas_differ,
     shard_entries,
     stage_boards,

@@ -1,7 +1,8 @@
 """What a member holding the job key may still get wrong, on a real Mosquitto: a
 metrics row whose round is no integer, a control message of a kind the coordinator
-does not read, a checkpoint upload that is not whole float32 values. Each is
-ignored, counted, and logged (rate-limited: `fedring.logs_limit`)."""
+does not read, a checkpoint upload that is not whole float32 values, a bye whose
+counters are not counts. Each is ignored, counted, and logged (rate-limited:
+`fedring.logs_limit`)."""
 
 from __future__ import annotations
 
@@ -129,4 +130,24 @@ def test_a_checkpoint_of_no_whole_float32_values_is_counted_and_logged(
         side.handle_until(lambda: side.counters.get("frame_shape_mismatch") >= 1)
     assert _warnings(caplog) == [
         "checkpoint of round 3 from a0: 7 bytes, not whole float32 values: not saved"
+    ]
+
+
+def test_a_bye_whose_counters_are_not_counts_is_kept_without_them(
+    side: Side, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The summary shows each member's counters (`agent_counters`): a bye may not put
+    anything but names and counts there."""
+    bad = {"frame_malformed": {"nested": [1, 2, 3]}, "x": 1}
+    with caplog.at_level(logging.WARNING, LOGGER):
+        [frame] = side.codec.encode("bye", JOB, topics.COORDINATOR,
+                                    {"epoch": 0, "sha256": "ab", "counters": bad,
+                                     "threads": "many"})  # fmt: skip
+        side.a0.send_to(JOB, topics.COORDINATOR, frame, Deadline.after(5))
+        side.handle_until(lambda: "a0" in side.ep.done)
+    assert side.counters.get("bad_agent_counters") == 1
+    assert side.ep.done["a0"]["counters"] == {} and side.ep.done["a0"]["sha256"] == "ab"
+    assert _warnings(caplog) == [
+        "the bye of a0: field 'counters' entry 'frame_malformed' = {'nested': [1, 2, 3]}: "
+        "not a non-negative integer; its counters are left out"
     ]
