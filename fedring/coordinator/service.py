@@ -207,6 +207,11 @@ class Coordinator(SegmentRunner):
         if held is not None:
             log.info("epoch %d: every member holds round %d: no roll-back to the checkpoint",
                      ep.number, held[0])  # fmt: skip
+        else:
+            halted = {a: (r, sha[:12]) for a, (r, sha) in sorted(ep.halted.items())}
+            log.warning("epoch %d: no round every member holds (halted at %s; members %s, "
+                        "the epoch's %s): back to the checkpoint", ep.number, halted,
+                        members, ep.members)  # fmt: skip
         return held
 
     # -- the end ------------------------------------------------------------------
