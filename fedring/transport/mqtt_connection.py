@@ -316,9 +316,11 @@ class Connection:
             self.counters.add("mqtt_parts_sent", len(parts))
         else:
             parts = [data]
+        # before the packet goes: a broker that drops us for it may do so before
+        # `_publish_one` returns, and the drop is read against this (`_suspect_cap`)
+        self._largest = max(self._largest, packet_size(topic, len(parts[0]), self.v5))
         for part in parts:
             self._publish_one(topic, part, deadline, retain)
-        self._largest = max(self._largest, packet_size(topic, len(parts[0]), self.v5))
         self.stats.frames_sent += 1
         self.stats.bytes_sent += sum(map(len, parts))
 

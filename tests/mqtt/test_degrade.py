@@ -32,9 +32,12 @@ def _moves_on(out: Path, what: str) -> None:
 def test_three_broken_rings_go_on_asynchronously_and_back_to_the_ring(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
-    # lr 0.05 (half the default) and a target of 0.975: the asynchronous stretch stays
-    # below it (under CI's load one reached 0.9749 before 5 calm versions at 0.97)
-    job = job_toml(tmp_path, rounds=2000, eval_every=10, target_accuracy=0.975, lr=0.05,
+    # lr 0.03 and a target of 0.975 (the ring alone reaches it at round 830 in
+    # `fedring simulate`): the asynchronous stretch stays below it. Under CI's load one
+    # reached 0.9749 before 5 calm versions at 0.97, and at lr 0.05 (the ring's 0.975 at
+    # round 360) one finished asynchronously once the ring's rounds no longer waited for
+    # each checkpoint's ack: the ring had run to round 236 while a3 restarted.
+    job = job_toml(tmp_path, rounds=2000, eval_every=10, target_accuracy=0.975, lr=0.03,
                    degrade_after=3, degrade_window=1000, degrade_calm=5)  # fmt: skip
     out = tmp_path / "run"
     proc = started(broker.url, job, out, 5)
