@@ -192,6 +192,10 @@ class JobWorker:
         where it stands, else a kept snapshot's; None where neither holds it."""
         if r == self.committed:
             return self.params
+        return self._kept_params(r)
+
+    def _kept_params(self, r: int) -> torch.Tensor | None:
+        """The flat parameters of the snapshot kept for round `r` (None: not kept)."""
         st = self.states.get(r)
         if st is None:
             return None
@@ -200,10 +204,8 @@ class JobWorker:
     def state_sha256(self, r: int) -> str | None:
         if r == 0 and not self.states and self.initial is not None:
             return flat_sha256(self.initial)
-        st = self.states.get(r)
-        if st is None:
-            return None
-        return flat_sha256(torch.cat([st["model"][n].reshape(-1) for n in self._param_names]))
+        kept = self._kept_params(r)
+        return None if kept is None else flat_sha256(kept)
 
     def restore(self, r: int, *, whole: bool = True) -> bool:
         """Return to the state at the start of round `r`, if still held. Not `whole`
