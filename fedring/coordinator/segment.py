@@ -351,7 +351,8 @@ class SegmentRunner(ControlPort):
         self.collectives.saves.append(time.perf_counter() - started)  # the head waits on it
 
     def _reform(self, ep: Epoch, why: str) -> bool:
-        """Halt the survivors and wait until they stopped; the caller starts a new epoch."""
+        """Halt the survivors and wait until they stopped; the caller starts a new epoch,
+        unless every member's bye came meanwhile (True: they had all run to the end)."""
         log.warning("epoch %d ends: %s; re-forming from round %d", ep.number, why,
                     self.ck.round if self.ck else 0)  # fmt: skip
         assert self.link is not None and self.ck is not None
@@ -382,7 +383,13 @@ class SegmentRunner(ControlPort):
                 waiting.discard(msg.src)
                 if msg.kind == "nack":
                     self._note_nack(msg)  # a refusal while the others halt counts too
-                committed, sha = msg.doc.get("committed"), msg.doc.get("sha256")
-                if msg.kind == "nack" and type(committed) is int and isinstance(sha, str):
-                    ep.halted[msg.src] = (committed, sha)
+                    committed, sha = msg.doc.get("committed"), msg.doc.get("sha256")
+                else:  # it had ended the job's last round before the halt reached it
+                    ep.done[msg.src] = self._bye(msg)
+                    committed, sha = msg.doc.get("rounds"), msg.doc.get("sha256")
+                if type(committed) is int and isinstance(sha, str):
+                    ep.halted[msg.src] = (committed, sha)  # the round it holds
+        if ep.finished:  # all ran ahead to the end (CI: a re-plan went back to round 0)
+            log.info("epoch %d: every member had finished the job before the halt", ep.number)
+            return True
         return False

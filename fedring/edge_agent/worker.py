@@ -309,6 +309,7 @@ class JobWorker:
 
         m.on_round, m.before_round, m.start_round = after, before, seg.start_round
         result = run(m, build.loop_settings(spec, mixed=seg.mixed))
+        self._keep(self.committed)  # a halt in the head's last gate resumes from here
         last = result.evals[-1] if result.evals else {}
         return {
             "rounds": self.committed,

@@ -127,3 +127,26 @@ def test_a_re_plan_resumes_where_the_members_halted(
     assert len(rounds) - 80 <= HELD_SPREAD  # only rounds past the first to halt, again
     for agent in summary["agent_counters"].values():
         assert "model_unexpected" not in agent
+
+
+def test_a_re_plan_after_the_last_round_neither_redoes_the_job_nor_loses_it(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path
+) -> None:
+    """Members that ran ahead may end the job before the halt reaches them (CI: the
+    re-plan went back to round 0). Here the re-plan comes at the head's last row: the
+    others say bye, not nack; the head says bye, or nacks in its last gate holding the
+    final state. The job ends at round 80, or goes on from there, never from round 0."""
+    spec = JobSpec.from_mapping({"agents": 4, "dataset": "digits", "eval_every": 10,
+                                 "seed": 0, "timeout_s": 20.0, "rounds": 80,
+                                 "collective": "auto", "checkpoint_every": 1000})  # fmt: skip
+    coord = Coordinator(spec, BrokerConfig.parse(broker.url), Options(out=tmp_path / "run"))
+    coord.collectives = _SwitchAt(80)
+    summary = coord.run()
+    epochs = summary["collective"]
+    assert summary["coordinator_counters"]["collective_replanned"] == 1
+    assert len(epochs) == 1 or epochs[1]["from_round"] == 80, epochs
+    assert summary["identical_models"] and summary["rounds"] == 80
+    assert "checkpoint_not_final" not in summary["coordinator_counters"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]  # fmt: skip
+    assert sorted({r["round"] for r in rows}) == list(range(1, 81)) and len(rows) == 80
