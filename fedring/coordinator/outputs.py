@@ -60,9 +60,17 @@ def guarded_export(run: Callable[[], dict[str, Any]], counters: Counters) -> dic
 
 def append_row(out: Path, row: Mapping[str, Any]) -> None:
     """Add one round's row to ``out/metrics.jsonl`` now (flushed before returning)."""
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / METRICS, "a") as f:
-        f.write(json.dumps(row, sort_keys=True) + "\n")
+    line = json.dumps(row, sort_keys=True) + "\n"
+    try:
+        _append(out / METRICS, line)
+    except FileNotFoundError:  # the first row: one mkdir, not one a round
+        out.mkdir(parents=True, exist_ok=True)
+        _append(out / METRICS, line)
+
+
+def _append(path: Path, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(line)
 
 
 def load_rows(out: Path, *, up_to: int, keep: bool) -> dict[int, dict[str, Any]]:

@@ -55,7 +55,8 @@ def parse_document(
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FrameError(FrameReason.MALFORMED, f"{what} is not UTF-8: {exc}") from None
-    depth = nesting_depth(raw)
+    # depth <= the opening brackets: a round's row (one object) skips the scan
+    depth = nesting_depth(raw) if raw.count(b"[") + raw.count(b"{") > max_depth else 0
     if depth > max_depth:
         raise FrameError(FrameReason.TOO_DEEP, f"{what} nests {depth} deep, more than {max_depth}")
     try:

@@ -50,6 +50,22 @@ def test_the_depth_limit_is_exact() -> None:
     assert _reason(b'{"a":' + at + b"}") is FrameReason.TOO_DEEP
 
 
+def test_a_document_with_fewer_brackets_than_the_limit_is_not_scanned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its depth is at most its opening brackets: a round's row, one object, skips the
+    scan; one bracket more than the limit is scanned, and nested that deep, refused."""
+    from fedring.wire import jsondoc
+
+    scans: list[bytes] = []
+    monkeypatch.setattr(jsondoc, "nesting_depth", lambda d: scans.append(d) or nesting_depth(d))
+    at = b"[" * (MAX_DOC_DEPTH - 1) + b"]" * (MAX_DOC_DEPTH - 1)
+    assert parse_document(b'{"a":' + at + b"}")["a"] == json.loads(at)  # MAX_DOC_DEPTH deep
+    assert parse_document(b'{"round": 3, "loss": 0.5, "s": "[[{{"}')["round"] == 3
+    assert scans == []
+    assert _reason(b'{"a":[' + at + b"]}") is FrameReason.TOO_DEEP and len(scans) == 1
+
+
 def test_size_is_checked_first() -> None:
     big = b'{"a": "' + b"x" * 2000 + b'"}'
     assert _reason(big, max_bytes=1024) is FrameReason.OVERSIZE
