@@ -11,7 +11,10 @@ prediction of the others.
 Under ``compression = "auto"`` the codec is part of the plan: beside group-top-k at
 the job's density (the accuracy policy's, `compression.policy`: the codec choice
 trades time, never accuracy, so it never goes sparser) the candidates hold the dense
-fp32 one of each collective the job may use ("dense ring", "dense fanout", "dense hub").
+one of each collective the job may use ("dense ring", "dense fanout", "dense hub"):
+fp32 on the ring, and on the one-step collectives every entry at the job's value dtype
+(fp16 by default, as group-top-k sends its values; summed in fp32 in rank order by every
+member, so the members stay identical): half the bytes.
 Each is predicted as the alpha-beta communication plus the members' codec CPU from
 their hellos (gamma: group-top-k's measured encode and decode, a dense entry's copy
 and add); the compute is the same for every plan, so it does not move the choice.
@@ -111,8 +114,12 @@ def payload_bytes(spec: JobSpec, numel: int) -> float:
 
 
 def workload(spec: JobSpec, numel: int) -> Workload:
+    """The round's bytes: one member's payload, the dense fp32 vector, and that vector as
+    a dense one-step plan sends it (`engine.reducer.Reducer.dense_wire`: the job's value
+    dtype, int8 and sign as fp16)."""
+    wire = 4.0 if spec.value_dtype == "fp32" else 2.0
     return Workload(numel, payload_bytes(spec, numel), 4.0 * numel + HEADER_BYTES,
-                    spec.topology)  # fmt: skip
+                    spec.topology, wire * numel + HEADER_BYTES)  # fmt: skip
 
 
 def in_process_probes(world: int) -> list[Probe]:

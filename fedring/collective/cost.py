@@ -19,8 +19,9 @@ at the job's density, or the dense fp32 vector) the model predicts:
   to every member, which decodes it.
 
 A plan ``dense <collective>`` (``compression = "auto"``, `fedring.choose`) is that
-collective on the dense fp32 vector, each member's codec its dense one
-(`Probe.dense`: the per-frame fixed part, `DENSE_ENTRY_S` an entry).
+collective on the dense vector, each member's codec its dense one (`Probe.dense`: the
+per-frame fixed part, `DENSE_ENTRY_S` an entry): fp32 on the ring, the job's value
+dtype (fp16 by default: half the bytes) on fan-out and the hub's way up.
 
 Each step also pays ``hop_s``, the per-step cost the probes cannot see (a frame
 signed, hashed and handed between threads at both ends, members sharing a CPU): the
@@ -90,6 +91,9 @@ class Workload:
     payload_bytes: float
     dense_bytes: float
     topology: str = "auto"
+    # one member's dense vector as a one-step plan sends it (the job's value dtype,
+    # `engine.reducer.Reducer.dense_wire`); 0: `dense_bytes`
+    dense_wire_bytes: float = 0.0
 
 
 def collective_of(plan: str) -> str:
@@ -183,10 +187,12 @@ SECONDS = {"ring": ring_seconds, "fanout": fanout_seconds, "hub": hub_seconds}
 
 def predict(algorithm: str, probes: list[Probe], work: Workload) -> float:
     """The all-reduce of plan `algorithm`; a dense plan sends `work.dense_bytes` a member
-    with each member's dense codec (`Probe.dense`)."""
+    (a one-step one `work.dense_wire_bytes`, where known) with each member's dense codec
+    (`Probe.dense`)."""
     if algorithm.startswith(DENSE):
         probes = [p.dense() for p in probes]
-        work = replace(work, payload_bytes=work.dense_bytes)
+        one_step = collective_of(algorithm) != "ring" and work.dense_wire_bytes > 0
+        work = replace(work, payload_bytes=work.dense_wire_bytes if one_step else work.dense_bytes)
     return SECONDS[collective_of(algorithm)](probes, work)
 
 

@@ -26,14 +26,16 @@ vote runs on it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from fedring.collective.channel import PeerChannel
 from fedring.collective.ring import Ring, SparsePolicy, _span, tagged
 from fedring.compression.payload import Payload, PayloadLimits
-from fedring.compression.quantize import DenseChunk
+from fedring.compression.quantize import DenseChunk, DenseCodec
 from fedring.compression.sparse import GroupSparse, SparseGroups, n_groups
+from fedring.compression.values import ValueDtype
 from fedring.transport.base import Deadline
 from fedring.wire.errors import FrameError, FrameReason
 
@@ -77,18 +79,26 @@ class _OneStep:
     members: tuple[str, ...]
     timeout_s: float = 30.0
     flat: Ring = field(init=False)  # the same members as a ring (the sign vote uses it)
+    one_step: ClassVar[bool] = True  # `allreduce_dense` takes a `wire` dtype
 
     def __post_init__(self) -> None:
         self.flat = Ring(self.channel, self.members, self.timeout_s)
         self.rank, self.world = self.flat.rank, self.flat.world
 
     def allreduce_dense(
-        self, x: torch.Tensor, *, round: int = 0, bucket: int | None = None
-    ) -> torch.Tensor:
-        """Sum of the members' flat float32 vectors, bit-identical on every member."""
+        self, x: torch.Tensor, *, round: int = 0, bucket: int | None = None,
+        wire: ValueDtype = "fp32",
+    ) -> torch.Tensor:  # fmt: skip
+        """Sum of the members' flat float32 vectors, bit-identical on every member.
+
+        `wire` ``fp16`` or ``bf16`` sends each member's vector at half the bytes (a
+        dense plan under ``compression = "auto"``): every member adds the same rounded
+        vectors in rank order into fp32, so the sum is still the same bits everywhere.
+        (The ring cannot: its partial sums would be rounded again at every step.)"""
         flat = x.detach().reshape(-1).to(torch.float32)
-        return self._combine(DenseChunk(flat.numel(), 0, flat.clone()), (DenseChunk,),
-                             round=round, bucket=bucket)  # fmt: skip
+        mine = (DenseChunk(flat.numel(), 0, flat.clone()) if wire == "fp32"
+                else DenseCodec(wire).compress(flat))  # fmt: skip
+        return self._combine(mine, (DenseChunk,), round=round, bucket=bucket)
 
     def allreduce_sparse(
         self, sparse: SparseGroups, *, policy: SparsePolicy = "bounded", round: int = 0,

@@ -180,7 +180,8 @@ class Reducer:
     settings: ReducerSettings = field(default_factory=ReducerSettings)
     last_error: float = 0.0  # ||g - sent|| / ||g|| of the last compression
     centre: Centre | None = None  # a star's centre; None: `STAR` on the ring's channel
-    # compression "auto": the coordinator chose dense fp32 for this segment
+    # compression "auto": the coordinator chose a dense plan for this segment (fp32, or
+    # the value dtype on a one-step collective: `dense_wire`)
     # (`fedring.choose`); group-top-k stays built for a switch back
     dense: bool = False
     ef: ErrorFeedback | None = field(default=None, init=False)
@@ -232,7 +233,7 @@ class Reducer:
         """Sum over the group of ``scale * vec``, compressed as the settings say."""
         scaled = vec * scale
         if self.topk is None or self.dense:
-            return self.collective.allreduce_dense(self._flushed(scaled, self.ef), round=round)
+            return self._dense(self._flushed(scaled, self.ef), round=round)
         sent = self.compress(scaled, round)
         total, kept = self.collective.allreduce_sparse(
             sent,  # type: ignore[arg-type]  # group-top-k gives SparseGroups
@@ -255,8 +256,7 @@ class Reducer:
         scaled = vec * scale
         ef = self.ef.part(*span) if self.ef is not None else None
         if self.topk is None or self.dense:
-            return self.collective.allreduce_dense(self._flushed(scaled, ef), round=round,
-                                                   bucket=bucket)  # fmt: skip
+            return self._dense(self._flushed(scaled, ef), round=round, bucket=bucket)
         sent, missed, norm = _compress_measured(scaled, self.topk, ef, self._k(round))
         total, kept = self.collective.allreduce_sparse(
             sent,  # type: ignore[arg-type]  # group-top-k gives SparseGroups
@@ -270,6 +270,22 @@ class Reducer:
             math.sqrt(self._bucket_sq[0] / self._bucket_sq[1]) if self._bucket_sq[1] else 0.0
         )
         return total
+
+    @property
+    def dense_wire(self) -> ValueDtype:
+        """How a dense round's entries travel: fp32, except where ``compression = "auto"``
+        chose a dense plan on a one-step collective (`collective.fanout`): there at the
+        job's value dtype (int8 and sign as fp16), as group-top-k sends its values."""
+        if not self.dense or not getattr(self.collective, "one_step", False):
+            return "fp32"
+        return _CONSENSUS_DTYPE.get(self.settings.value_dtype, "fp16")
+
+    def _dense(self, vec: torch.Tensor, *, round: int, bucket: int | None = None) -> torch.Tensor:
+        wire = self.dense_wire
+        if wire == "fp32":
+            return self.collective.allreduce_dense(vec, round=round, bucket=bucket)
+        return self.collective.allreduce_dense(vec, round=round, bucket=bucket,  # type: ignore[call-arg]
+                                               wire=wire)  # fmt: skip
 
     def _flushed(self, scaled: torch.Tensor, ef: ErrorFeedback | None) -> torch.Tensor:
         """`scaled` for a dense round: under group-top-k switched to dense, plus what

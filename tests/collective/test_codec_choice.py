@@ -6,22 +6,30 @@ reducer's switch to dense flushes what error feedback held back."""
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
 
 from fedring.choose import (
+    HEADER_BYTES,
     ROUNDS_AT_FLOOR,
     choose_collective,
     choose_plan,
     choosing,
     plans,
     rounds_factor,
+    workload,
 )
-from fedring.collective.cost import DENSE, Probe, codec_of, collective_of
+from fedring.collective import PeerChannel
+from fedring.collective.cost import DENSE, Probe, codec_of, collective_of, predict
+from fedring.collective.fanout import Fanout, Hub
+from fedring.collective.ring import Ring
 from fedring.compression.policy import choose_density
 from fedring.config import JobSpec, SpecError
 from fedring.engine.reducer import Reducer, ReducerSettings
+from fedring.transport.inproc import InprocTransport
 
 NUMEL = 5210  # the MNIST-1D CNN
 # group-top-k as `codec_cost()` measured it on the loaded 2-core sandbox (4.6e-7 s an entry)
@@ -165,3 +173,42 @@ def test_switching_to_dense_flushes_the_residual_and_loses_nothing() -> None:
     r.dense = False  # back to group-top-k: error feedback starts from the empty residual
     r.allreduce(grads[1], scale=1.0, round=4)
     assert 0 < r.residual_norm < float(grads[1].norm())
+
+
+@pytest.mark.parametrize(("kind", "value_dtype", "wire"), [
+    ("fanout", "fp16", "fp16"), ("hub", "bf16", "bf16"), ("fanout", "int8", "fp16"),
+    ("fanout", "fp32", "fp32"), ("ring", "fp16", "fp32"),
+])  # fmt: skip
+def test_a_dense_plan_sends_the_value_dtype_on_a_one_step_collective_only(
+    kind: str, value_dtype: str, wire: str
+) -> None:
+    """Chosen dense (`Reducer.dense`), a fan-out or hub member sends every entry at the
+    job's value dtype, as group-top-k sends its kept ones: half the bytes, and the same
+    sum on every member; the ring's partial sums stay fp32. A job with no compression
+    (its dense baseline) is fp32 everywhere; and the cost model charges the same bytes."""
+    hub = InprocTransport()
+    names = tuple(f"a{i}" for i in range(3))
+    make = {"fanout": Fanout, "hub": Hub, "ring": Ring}[kind]
+    settings = ReducerSettings(density=0.01, value_dtype=value_dtype)  # type: ignore[arg-type]
+    reducers = [Reducer(make(PeerChannel(hub.connect(n), "job"), names, 10.0), 4096, settings)
+                for n in names]  # fmt: skip
+    plain = Reducer(reducers[1].collective, 4096, ReducerSettings())
+    assert plain.dense_wire == "fp32" and reducers[1].dense_wire == "fp32"  # not chosen dense
+    for r in reducers:
+        r.dense = True
+    assert reducers[1].dense_wire == wire
+    grads = [torch.randn(4096) for _ in names]
+    with ThreadPoolExecutor(3) as pool:
+        sums = list(pool.map(lambda r, g: r.allreduce(g, scale=1.0, round=0), reducers, grads))
+    assert all(torch.equal(s, sums[0]) for s in sums)
+    torch.testing.assert_close(sums[0], sum(grads), atol=0.05, rtol=0.01)  # type: ignore[arg-type]
+    sent = reducers[1].collective.channel.endpoint.stats.bytes_sent
+    width = 4 if wire == "fp32" else 2
+    assert (width * 4096 if kind != "ring" else 2 * 4 * 4096 * 2 / 3) <= sent, sent
+    assert sent <= (width * 4096 + 256 if kind != "ring" else 4 * 4096 * 2), sent
+    spec = JobSpec.from_mapping({"agents": 3, "value_dtype": value_dtype, "compression": "auto"})
+    work = workload(spec, 4096)
+    assert work.dense_wire_bytes == (4 if value_dtype == "fp32" else 2) * 4096 + HEADER_BYTES
+    probes = [Probe(rtt_s=0.01, up_bps=1e6, down_bps=1e6)] * 3
+    wide = predict(f"dense {kind}", probes, replace(work, dense_wire_bytes=0.0))
+    assert (predict(f"dense {kind}", probes, work) < wide) == (wire != "fp32")

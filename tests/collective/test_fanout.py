@@ -67,6 +67,27 @@ def test_dense_sum_is_the_same_bits_everywhere(kind: str) -> None:
     torch.testing.assert_close(results[0], xs[0] + xs[1] + xs[2] + xs[3])
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_a_half_width_dense_sum_is_the_same_bits_everywhere_at_half_the_bytes(
+    kind: str, wire: str
+) -> None:
+    """A dense plan under ``compression = "auto"`` (`Reducer.dense_wire`): each member's
+    vector goes rounded to `wire`, and every member adds the same rounded vectors in
+    rank order into fp32 (the hub sends that fp32 sum down)."""
+    xs = [torch.randn(1000) * 10.0 ** (i - 2) for i in range(4)]
+    xs[3][:10] = 7e4  # beyond fp16's range: clamped, not inf
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[wire]
+    ref = torch.zeros(1000)
+    for x in xs:
+        ref += x.clamp(-65504, 65504).to(dtype).float() if wire == "fp16" else x.to(dtype).float()
+    results, stats = _run(kind, 4, lambda c: c.allreduce_dense(xs[c.rank], bucket=1, wire=wire))
+    assert all(torch.equal(r, ref) for r in results) and bool(ref.isfinite().all())
+    _, fp32 = _run(kind, 4, lambda c: c.allreduce_dense(xs[c.rank], bucket=1))
+    up = stats[1].bytes_sent, fp32[1].bytes_sent  # a member's (the hub's own is the sum)
+    assert 2000 <= up[0] <= 2000 + 128 and 4000 <= up[1] <= 4000 + 128, up
+
+
 def test_a_broadcast_costs_the_senders_uplink_once_and_each_downlink_once() -> None:
     hub = InprocTransport()
     a, b, c = (hub.connect(n) for n in "abc")
