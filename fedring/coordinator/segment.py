@@ -55,6 +55,7 @@ class SegmentRunner(ControlPort):
         self.centre: StarCentre | None = None  # a star or async job's centre
         self.plan: Plan | None = None  # computed once: the initial model, the evaluator
         self.hashes: dict[int, dict[str, str]] = {}
+        self.mismatched: set[int] = set()  # rounds whose hashes were found to disagree
         self.resynced: set[int] = set()  # rounds that ended with the head's parameters
         self.drifts: list[tuple[str, int, Drift]] = []  # each member's, before a re-sync
         self.last_row: dict[str, Any] = {}
@@ -143,6 +144,7 @@ class SegmentRunner(ControlPort):
         self.replica.clear()  # the segment's first checkpoint comes whole from the head
         # rounds after the start are run again (another ring may round differently)
         self.hashes = {r: seen for r, seen in self.hashes.items() if r <= ep.start}
+        self.mismatched = {r for r in self.mismatched if r <= ep.start}
         collective = self.collectives.plan(self.spec, ep.number, ep.members, self.fleet,
                                            self._plan().initial.numel(), ep.start)  # fmt: skip
         docs = segment_docs(ck, ep.members, ep.number, ep.start,
@@ -273,9 +275,9 @@ class SegmentRunner(ControlPort):
         if isinstance(sha, str):
             seen = self.hashes.setdefault(rnd, {})
             seen[msg.src] = sha
-            if self.spec.sync == "sync" and not decide.hashes_agree(
-                seen, rnd in self.resynced, self.fleet.machine
-            ):
+            if (self.spec.sync == "sync" and rnd not in self.mismatched
+                    and not decide.hashes_agree(seen, rnd in self.resynced, self.fleet.machine)):
+                self.mismatched.add(rnd)  # once a round, not once a member's row after it
                 self.counters.add("hash_mismatch")
                 log.error("round %d: model hashes disagree: %s", rnd, seen)
         if msg.src == ep.members[0]:
@@ -306,8 +308,9 @@ class SegmentRunner(ControlPort):
             self._send(ep.members[0], "ack", {"epoch": ep.number, "round": taken.round})
             return
         self.counters.add("checkpoint_patch_refused")
-        log.warning("checkpoint of round %d: %s; asking %s for its whole model",
-                    taken.round, taken.why, ep.members[0])  # fmt: skip
+        self._log.warning(msg.src, "checkpoint_patch_refused", "checkpoint of round %d: %s; "
+                          "asking %s for its whole model", taken.round, taken.why,
+                          ep.members[0])  # fmt: skip
         self._send(ep.members[0], "ack",
                    {"epoch": ep.number, "round": taken.round, "send": "model"})  # fmt: skip
 
@@ -332,7 +335,8 @@ class SegmentRunner(ControlPort):
         params = torch.frombuffer(bytearray(msg.blob), dtype=torch.float32).clone()
         if flat_sha256(params) != msg.doc.get("sha256"):
             self.counters.add("checkpoint_bad_sha256")
-            log.error("checkpoint of round %d from %s: sha256 mismatch", msg.round, msg.src)
+            self._log.warning(msg.src, "checkpoint_bad_sha256", "checkpoint of round %d from "
+                              "%s: sha256 mismatch: not saved", msg.round, msg.src)  # fmt: skip
             return
         self._save(ep, params, msg.round)
         self.replica.reset(params, msg.round)  # the members' next patches apply to it

@@ -94,7 +94,8 @@ class Connection:
         self._largest = 0  # bytes of the largest packet published since we last connected
         self._joiner = Joiner(max_bytes=cfg.max_inbox_bytes)
         self._log = LogLimiter(log, f"message parts refused by {me}")
-        self._errors = LogLimiter(log, f"errors handling messages at {me}")
+        # a handler's exceptions: a few tracebacks per (kind of topic, error) in the log
+        self.errors = LogLimiter(log, f"errors handling messages at {me}")
         self._msg_ids = itertools.count(int.from_bytes(os.urandom(4), "big") << 16)
 
     @property
@@ -268,7 +269,7 @@ class Connection:
             # Whoever found an input that makes a handler raise can send it in a loop: the
             # counter counts each, the log holds a few tracebacks per (kind of topic, error).
             self.counters.add("mqtt_callback_error")
-            self._errors.exception(topic_kind(msg.topic), type(exc).__name__,
+            self.errors.exception(topic_kind(msg.topic), type(exc).__name__,
                                    "%s: error handling a message on %s", self.me,
                                    msg.topic)  # fmt: skip
 

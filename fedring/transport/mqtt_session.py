@@ -66,9 +66,10 @@ class Session:
             self._stop()
             client.publish(msg.topic, msg.payload, qos=1, retain=True)
             client.disconnect()
-        except Exception:  # a callback that raises would stop paho's network loop
+        except Exception as exc:  # a callback that raises would stop paho's network loop
             conn.counters.add("mqtt_callback_error")
-            log.exception("%s: error reading its own presence", conn.me)
+            conn.errors.exception("own presence", type(exc).__name__,
+                                  "%s: error reading its own presence", conn.me)  # fmt: skip
 
     def close(self, state: str = "offline") -> None:
         """Say goodbye (retained status), then disconnect."""

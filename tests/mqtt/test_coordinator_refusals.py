@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -151,3 +152,54 @@ def test_a_bye_whose_counters_are_not_counts_is_kept_without_them(
         "the bye of a0: field 'counters' entry 'frame_malformed' = {'nested': [1, 2, 3]}: "
         "not a non-negative integer; its counters are left out"
     ]
+
+
+def test_a_checkpoint_whose_sha256_is_wrong_is_counted_each_time_and_logged_rate_limited(
+    side: Side, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, LOGGER):
+        for _ in range(40):
+            for frame in side.codec.encode("model", JOB, topics.COORDINATOR,
+                                           {"epoch": 0, "sha256": "00" * 32},
+                                           b"\x00" * 16, round=3):  # fmt: skip
+                side.a0.send_to(JOB, topics.COORDINATOR, frame, Deadline.after(5))
+        side.handle_until(lambda: side.counters.get("checkpoint_bad_sha256") >= 40)
+    assert side.counters.get("checkpoint_bad_sha256") == 40
+    got = _warnings(caplog)
+    assert len(got) == 5, got
+    assert got[0] == "checkpoint of round 3 from a0: sha256 mismatch: not saved"
+    assert side.coord.ck is not None and side.coord.ck.round == 0  # nothing saved
+
+
+def test_model_hashes_that_disagree_count_once_a_round(side: Side, broker: Mosquitto) -> None:
+    """Every member's row at an evaluation carries its model's hash: a round whose
+    hashes disagree counts `hash_mismatch` once, however many rows come after."""
+    a1 = MqttLink(BrokerConfig.parse(broker.url), "a1").connect()
+    taken, on_metrics = [], side.coord._on_metrics
+
+    def counted(ep: _Epoch, msg: Any) -> bool:
+        taken.append(msg.src)
+        return on_metrics(ep, msg)
+
+    side.coord._on_metrics = counted  # type: ignore[method-assign]
+    try:
+        assert side.coord.link is not None
+        deadline = time.monotonic() + 10
+        while "a1" not in side.coord.link.peers():
+            assert time.monotonic() < deadline, "the coordinator never saw a1 online"
+            time.sleep(0.02)
+        sent = 0
+        for rnd, shas in ((5, ("aa", "bb", "aa", "bb")), (6, ("cc", "cc")), (7, ("dd", "ee"))):
+            for i, sha in enumerate(shas):
+                who, link = ("a0", side.a0) if i % 2 == 0 else ("a1", a1)
+                [frame] = ControlCodec(who, key=KEY).encode(
+                    "metrics", JOB, topics.COORDINATOR,
+                    {"epoch": 0, "round": rnd, "sha256": sha, "accuracy": 0.5},
+                )  # fmt: skip
+                link.publish(topics.metrics(JOB, who), frame, Deadline.after(5))
+                sent += 1
+                side.handle_until(lambda n=sent: len(taken) >= n)  # type: ignore[misc]  # in order
+    finally:
+        a1.close()
+    assert side.counters.get("hash_mismatch") == 2  # rounds 5 and 7; round 5's 4 rows once
+    assert side.coord.mismatched == {5, 7}

@@ -4,6 +4,7 @@ live holder of its id, seen in a retained presence (issue 27)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -80,3 +81,24 @@ def test_under_mqtt5_only_a_resumed_session_steps_back() -> None:
     session.conn.resumed = True
     session.step_back(FakeClient(), _msg("online", "live"))  # type: ignore[arg-type]
     assert session.conn.closed
+
+
+def test_an_error_while_stepping_back_is_counted_and_its_traceback_rate_limited(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Raised on paho's thread it would stop the network loop: each is counted, and the
+    log holds a few tracebacks (`Connection.errors`), not one per message."""
+
+    class Refusing(FakeClient):
+        def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
+            raise RuntimeError("the client is closing")
+
+    session, _ = _session()
+    with caplog.at_level(logging.ERROR, "fedring.transport.mqtt"):
+        for _ in range(30):
+            session.conn.closed = False  # as if it came back each time
+            session.step_back(Refusing(), _msg("online", "theirs"))  # type: ignore[arg-type]
+    assert session.conn.counters.get("mqtt_callback_error") == 30
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert 1 <= len(tracebacks) <= 5, len(tracebacks)
+    assert tracebacks[0].getMessage() == "a1: error reading its own presence"
