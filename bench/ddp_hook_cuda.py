@@ -115,11 +115,13 @@ def _training(cfg: argparse.Namespace, rank: int, name: str) -> dict[str, Any]:
 
 
 def _worker(rank: int, cfg: argparse.Namespace, world: int, backend: str, task: str,
-            port: int, out: str) -> None:  # fmt: skip
+            out: str) -> None:  # fmt: skip
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // (2 * world)))
     if cfg.device == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # A file store, not a TCP port: a port probed free and then bound by the ranks can be
+    # taken in between by another process (two test workers side by side).
+    dist.init_process_group(backend, init_method=f"file://{out}/store", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
     try:
         if task == "probe":  # one collective of each kind the hook uses
@@ -147,13 +149,8 @@ def _worker(rank: int, cfg: argparse.Namespace, world: int, backend: str, task: 
 def _world(cfg: argparse.Namespace, world: int, backend: str, task: str,
            timeout_s: float) -> dict[str, Any] | str:  # fmt: skip
     """Run `task` on `world` spawned ranks; the result, or why there is none."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_worker, args=(cfg, world, backend, task, port, out),
+        ctx = mp.start_processes(_worker, args=(cfg, world, backend, task, out),
                                  nprocs=world, join=False, start_method="spawn")  # fmt: skip
         deadline = time.monotonic() + timeout_s
         try:
