@@ -55,6 +55,7 @@ from fedring.collective.cost import (
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.policy import FLOOR
 from fedring.compression.schedule import DensitySchedule
+from fedring.compression.values import BYTES_PER_VALUE, float_wire
 from fedring.config import JobSpec
 
 HEADER_BYTES = 64  # a compact frame's header is at most this (`wire.compact`)
@@ -117,7 +118,7 @@ def workload(spec: JobSpec, numel: int) -> Workload:
     """The round's bytes: one member's payload, the dense fp32 vector, and that vector as
     a dense one-step plan sends it (`engine.reducer.Reducer.dense_wire`: the job's value
     dtype, int8 and sign as fp16)."""
-    wire = 4.0 if spec.value_dtype == "fp32" else 2.0
+    wire = BYTES_PER_VALUE[float_wire(spec.value_dtype)]
     return Workload(numel, payload_bytes(spec, numel), 4.0 * numel + HEADER_BYTES,
                     spec.topology, wire * numel + HEADER_BYTES)  # fmt: skip
 

@@ -79,7 +79,7 @@ class _OneStep:
     members: tuple[str, ...]
     timeout_s: float = 30.0
     flat: Ring = field(init=False)  # the same members as a ring (the sign vote uses it)
-    one_step: ClassVar[bool] = True  # `allreduce_dense` takes a `wire` dtype
+    one_step: ClassVar[bool] = True  # a dense sum may travel at half width (`wire`)
 
     def __post_init__(self) -> None:
         self.flat = Ring(self.channel, self.members, self.timeout_s)

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -142,6 +142,8 @@ class SparseReduction:
 class Ring:
     """One member's view of a ring: its channel, the order, and a per-step timeout."""
 
+    one_step: ClassVar[bool] = False  # dense sums in fp32 only (`allreduce_dense`)
+
     channel: PeerChannel
     members: tuple[str, ...]
     timeout_s: float = 30.0
@@ -238,12 +240,15 @@ class Ring:
             absorb(recv_c, current)
 
     def allreduce_dense(
-        self, x: torch.Tensor, *, round: int = 0, bucket: int | None = None
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, *, round: int = 0, bucket: int | None = None,
+        wire: ValueDtype = "fp32",
+    ) -> torch.Tensor:  # fmt: skip
         """Sum of the members' flat float32 vectors (the uncompressed baseline).
 
         `bucket` tags the frames of one bucket of the round (see `tagged`).
         """
+        if wire != "fp32":  # its partial sums would be rounded again at every step
+            raise ValueError(f"a {type(self).__name__} sums dense vectors in fp32, not {wire}")
         acc = x.detach().reshape(-1).to(torch.float32).clone()
         bounds = chunk_bounds(acc.numel(), self.world)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -30,6 +31,7 @@ from fedring.collective.ring import Ring, SparsePolicy, SparseReduction, chunk_b
 from fedring.compression.payload import Payload
 from fedring.compression.quantize import DenseChunk
 from fedring.compression.sparse import SparseGroups, n_groups
+from fedring.compression.values import ValueDtype
 
 
 def grid_rows(world: int) -> int:
@@ -113,6 +115,8 @@ def _phases(axis: int, bucket: int | None) -> tuple[str, str]:
 class Torus:
     """One member's view of a grid of rings (see the module docstring)."""
 
+    one_step: ClassVar[bool] = False  # dense sums in fp32 only (`allreduce_dense`)
+
     channel: PeerChannel
     members: tuple[str, ...]
     timeout_s: float = 30.0
@@ -138,9 +142,12 @@ class Torus:
             stride *= size
 
     def allreduce_dense(
-        self, x: torch.Tensor, *, round: int = 0, bucket: int | None = None
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, *, round: int = 0, bucket: int | None = None,
+        wire: ValueDtype = "fp32",
+    ) -> torch.Tensor:  # fmt: skip
         """Sum of the members' flat float32 vectors, bit-identical on every member."""
+        if wire != "fp32":  # its partial sums would be rounded again at every step
+            raise ValueError(f"a {type(self).__name__} sums dense vectors in fp32, not {wire}")
         acc = x.detach().reshape(-1).to(torch.float32).clone()
         numel = acc.numel()
 

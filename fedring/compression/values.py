@@ -32,6 +32,13 @@ _FP16_MAX = 65504.0
 _INT8_MAX = 127.0
 
 
+def float_wire(value_dtype: str) -> ValueDtype:
+    """The float dtype that carries every entry for a job whose kept values travel as
+    `value_dtype`: the same for fp32, fp16 and bf16; fp16 for int8 and sign (whose
+    scales mean nothing without a selection)."""
+    return value_dtype if value_dtype in ("fp32", "fp16", "bf16") else "fp16"  # type: ignore[return-value]
+
+
 def check_value_dtype(name: str) -> ValueDtype:
     if name not in VALUE_DTYPES:
         raise ValueError(f"value dtype {name!r} is not one of {', '.join(VALUE_DTYPES)}")

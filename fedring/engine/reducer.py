@@ -44,13 +44,12 @@ from fedring.compression.quantize import DenseChunk, DenseCodec, SignQuantizer
 from fedring.compression.schedule import DensitySchedule
 from fedring.compression.settings import DEFAULT_VALUE_DTYPE, SettingsError, check_codec
 from fedring.compression.support import at_support, top_indices
-from fedring.compression.values import ValueDtype
+from fedring.compression.values import ValueDtype, float_wire
 from fedring.engine.group import Collective
 from fedring.engine.star import STAR, Centre
 from fedring.transport.base import Deadline
 
 # values on a consensus support travel without scales: int8 and sign go as fp16
-_CONSENSUS_DTYPE: dict[str, ValueDtype] = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 
 __all__ = ["STAR", "Centre", "Collective", "Reducer", "ReducerSettings", "compress_update"]
 
@@ -276,16 +275,15 @@ class Reducer:
         """How a dense round's entries travel: fp32, except where ``compression = "auto"``
         chose a dense plan on a one-step collective (`collective.fanout`): there at the
         job's value dtype (int8 and sign as fp16), as group-top-k sends its values."""
-        if not self.dense or not getattr(self.collective, "one_step", False):
+        if not self.dense or not self.collective.one_step:
             return "fp32"
-        return _CONSENSUS_DTYPE.get(self.settings.value_dtype, "fp16")
+        return float_wire(self.settings.value_dtype)
 
     def _dense(self, vec: torch.Tensor, *, round: int, bucket: int | None = None) -> torch.Tensor:
         wire = self.dense_wire
-        if wire == "fp32":
+        if wire == "fp32":  # the call every collective has taken from the start
             return self.collective.allreduce_dense(vec, round=round, bucket=bucket)
-        return self.collective.allreduce_dense(vec, round=round, bucket=bucket,  # type: ignore[call-arg]
-                                               wire=wire)  # fmt: skip
+        return self.collective.allreduce_dense(vec, round=round, bucket=bucket, wire=wire)
 
     def _flushed(self, scaled: torch.Tensor, ef: ErrorFeedback | None) -> torch.Tensor:
         """`scaled` for a dense round: under group-top-k switched to dense, plus what
@@ -344,7 +342,7 @@ class Reducer:
                 f"this member {self.topk.group_size}"
             )
         norm = float(torch.linalg.vector_norm(g))
-        sent = at_support(g, support, _CONSENSUS_DTYPE.get(self.settings.value_dtype, "fp16"))
+        sent = at_support(g, support, float_wire(self.settings.value_dtype))
         if self.ef is not None:
             self.ef.update(sent)  # g, the residual itself, keeps what was not sent
         else:

@@ -26,6 +26,7 @@ from fedring.collective import PeerChannel
 from fedring.collective.cost import DENSE, Probe, codec_of, collective_of, predict
 from fedring.collective.fanout import Fanout, Hub
 from fedring.collective.ring import Ring
+from fedring.collective.torus import Torus
 from fedring.compression.policy import choose_density
 from fedring.config import JobSpec, SpecError
 from fedring.engine.reducer import Reducer, ReducerSettings
@@ -144,7 +145,7 @@ def test_a_tie_goes_to_dense() -> None:
 class _Sum:
     """A one-member collective: the sum of a world of one is the vector itself."""
 
-    world, timeout_s = 1, 1.0
+    world, timeout_s, one_step = 1, 1.0, False
 
     def allreduce_dense(self, vec: torch.Tensor, **_: object) -> torch.Tensor:
         return vec.clone()
@@ -212,3 +213,18 @@ def test_a_dense_plan_sends_the_value_dtype_on_a_one_step_collective_only(
     probes = [Probe(rtt_s=0.01, up_bps=1e6, down_bps=1e6)] * 3
     wide = predict(f"dense {kind}", probes, replace(work, dense_wire_bytes=0.0))
     assert (predict(f"dense {kind}", probes, work) < wide) == (wire != "fp32")
+
+
+@pytest.mark.parametrize("topology", ["ring", "torus"])
+def test_a_ring_refuses_to_sum_dense_vectors_at_half_width(topology: str) -> None:
+    """Its partial sums would be rounded again at every step: `Reducer.dense_wire` never
+    asks it to (`one_step` is false), and a caller that does is told so before any send."""
+    hub = InprocTransport()
+    names = tuple(f"a{i}" for i in range(4))
+    channel = PeerChannel(hub.connect(names[0]), "job")
+    ring = Ring(channel, names, 10.0)
+    group = ring if topology == "ring" else Torus(channel, names, 10.0, dims=(2, 2))
+    assert not group.one_step
+    with pytest.raises(ValueError, match="in fp32, not fp16"):
+        group.allreduce_dense(torch.ones(8), wire="fp16")
+    assert channel.endpoint.stats.bytes_sent == 0
