@@ -6,7 +6,9 @@ they all hold the start), then reads the control queue until every member said
 progress in time, or ``auto`` re-planning. On the way it records the head's metrics
 rows, checks the members' model hashes, and checkpoints the ring's model: its copy
 patched by the members (`replica`), or the head's whole upload where the copy has
-nothing to patch or disagrees (and an asynchronous job's centre's versions). What
+nothing to patch or disagrees (and an asynchronous job's centre's versions). A ring's
+checkpoint of round r is saved once the head's row r is written (`_save_after_row`),
+so a coordinator killed in between never resumes past a row it lacks. What
 each event means is decided in `coordinator.epoch`; a re-formation halts the
 survivors here, and `service.Coordinator` starts the next epoch.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,6 +48,15 @@ from fedring.wire.control import ControlMessage
 log = logging.getLogger(__name__)
 
 
+class _Held(NamedTuple):
+    """A checkpoint complete before the head's row of its round (`_save_after_row`)."""
+
+    epoch: int
+    round: int
+    params: torch.Tensor
+    head: str  # who gets the ack
+
+
 class SegmentRunner(ControlPort):
     """Runs one epoch at a time over the port, recording rows and checkpoints."""
 
@@ -68,6 +79,7 @@ class SegmentRunner(ControlPort):
         self.collectives = CollectivePlans()  # each epoch's collective (`auto`: planned)
         self.replanning = False  # the epoch ends because `auto` re-plans, not a break
         self.replica = Replica()  # the ring's model, patched by its members' checkpoints
+        self.held: list[_Held] = []  # checkpoints waiting for their round's row
         self.feed = opts.feed if opts.feed is not None else JobFeed()
         self.feed.counters = self.counters  # the views read the job's own counts
         self.feed.rounds, self.feed.agents = spec.rounds, spec.agents
@@ -142,6 +154,7 @@ class SegmentRunner(ControlPort):
         self.feed.members(ep.members, "star" if needs_centre(self.spec) else
                           "async" if self.asynchronous else "ring")  # fmt: skip
         self.replica.clear()  # the segment's first checkpoint comes whole from the head
+        self.held = []  # an earlier epoch's checkpoints whose rows never came: redone
         # rounds after the start are run again (another ring may round differently)
         self.hashes = {r: seen for r, seen in self.hashes.items() if r <= ep.start}
         self.mismatched = {r for r in self.mismatched if r <= ep.start}
@@ -291,6 +304,9 @@ class SegmentRunner(ControlPort):
             self.feed.round(self.rows[rnd])
             if self.opts.on_round is not None:
                 self.opts.on_round(rnd - 1, row)
+            for held in [h for h in self.held if h.epoch == ep.number and h.round <= rnd]:
+                self.held.remove(held)
+                self._save_and_ack(ep, held)
             return True
         return False
 
@@ -304,8 +320,7 @@ class SegmentRunner(ControlPort):
         if taken is None:
             return
         if taken.params is not None:
-            self._save(ep, taken.params, taken.round)
-            self._send(ep.members[0], "ack", {"epoch": ep.number, "round": taken.round})
+            self._save_after_row(ep, _Held(ep.number, taken.round, taken.params, ep.members[0]))
             return
         self.counters.add("checkpoint_patch_refused")
         self._log.warning(msg.src, "checkpoint_patch_refused", "checkpoint of round %d: %s; "
@@ -338,12 +353,29 @@ class SegmentRunner(ControlPort):
             self._log.warning(msg.src, "checkpoint_bad_sha256", "checkpoint of round %d from "
                               "%s: sha256 mismatch: not saved", msg.round, msg.src)  # fmt: skip
             return
-        self._save(ep, params, msg.round)
         self.replica.reset(params, msg.round)  # the members' next patches apply to it
         # The head waits for this before the next checkpoint round's rounds: agents
         # never get more than two checkpoints ahead of what a restarted coordinator
         # can resume from (`edge_agent.running.Running.gate`).
-        self._send(msg.src, "ack", {"epoch": ep.number, "round": msg.round})
+        self._save_after_row(ep, _Held(ep.number, msg.round, params, msg.src))
+
+    def _save_after_row(self, ep: Epoch, held: _Held) -> None:
+        """Save the checkpoint (and ack it) now if the head's row of its round is
+        written, else when it is: the members' patches can complete a checkpoint before
+        the head's row arrives, and a coordinator killed in between would resume past a
+        round with no row (CI saw one). The head sends row r before it waits for the ack
+        of r, so the wait ends; a checkpoint whose row never comes (the head was lost)
+        is dropped with its epoch, and its rounds are redone."""
+        row = self.rows.get(held.round)
+        if held.round <= ep.start or (row is not None
+                                      and row.get("epoch", ep.number) == ep.number):  # fmt: skip
+            self._save_and_ack(ep, held)
+        else:
+            self.held.append(held)
+
+    def _save_and_ack(self, ep: Epoch, held: _Held) -> None:
+        self._save(ep, held.params, held.round)
+        self._send(held.head, "ack", {"epoch": ep.number, "round": held.round})
 
     def _save(self, ep: Epoch, params: torch.Tensor, rnd: int) -> None:
         """Checkpoint the model at the start of round `rnd`, atomically."""

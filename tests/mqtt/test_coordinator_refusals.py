@@ -2,10 +2,11 @@
 metrics row whose round is no integer, a control message of a kind the coordinator
 does not read, a checkpoint upload that is not whole float32 values, a bye whose
 counters are not counts. Each is ignored, counted, and logged (rate-limited:
-`fedring.logs_limit`)."""
+`fedring.logs_limit`). And a checkpoint complete before its round's row waits for it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -13,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from fedring.config import JobSpec
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.coordinator.service import Coordinator, Options, _Epoch
 from fedring.counters import Counters
+from fedring.training.models import flat_bytes, flat_sha256
 from fedring.transport import topics
 from fedring.transport.base import Deadline
 from fedring.transport.mosquitto import Mosquitto
@@ -203,3 +206,26 @@ def test_model_hashes_that_disagree_count_once_a_round(side: Side, broker: Mosqu
         a1.close()
     assert side.counters.get("hash_mismatch") == 2  # rounds 5 and 7; round 5's 4 rows once
     assert side.coord.mismatched == {5, 7}
+
+
+def test_a_checkpoint_waits_for_the_heads_row_of_its_round(side: Side) -> None:
+    """The checkpoint of round 3 can be complete before the head's row 3 arrives: it is
+    saved (and acked) only once that row is written, so a coordinator killed in between
+    resumes from round 0 with no row missing, not from round 3 without row 3."""
+    params = torch.arange(4, dtype=torch.float32)
+    for frame in side.codec.encode("model", JOB, topics.COORDINATOR,
+                                   {"epoch": 0, "sha256": flat_sha256(params)},
+                                   flat_bytes(params), round=3):  # fmt: skip
+        side.a0.send_to(JOB, topics.COORDINATOR, frame, Deadline.after(5))
+    side.handle_until(lambda: bool(side.coord.held))
+    assert side.coord.ck is not None and side.coord.ck.round == 0  # not saved yet
+    assert not (side.coord.opts.out / "checkpoint.pt").exists()
+    for rnd in (1, 2, 3):
+        [frame] = side.codec.encode("metrics", JOB, topics.COORDINATOR,
+                                    {"epoch": 0, "round": rnd, "loss": 1.0})  # fmt: skip
+        side.a0.publish(topics.metrics(JOB, "a0"), frame, Deadline.after(5))
+        side.handle_until(lambda r=rnd: r in side.coord.rows)  # type: ignore[misc]
+        assert side.coord.ck.round == (3 if rnd == 3 else 0)
+    assert side.coord.held == [] and torch.equal(side.coord.ck.params, params)
+    rows = [json.loads(line)["round"] for line in (side.coord.opts.out / "metrics.jsonl").open()]
+    assert rows == [1, 2, 3]
