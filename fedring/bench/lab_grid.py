@@ -387,12 +387,23 @@ def cell_key(cell: Cell) -> tuple[int, float, float, str]:
     return (cell.agents, float(cell.bandwidth_mbps), float(cell.delay_ms), cell.model.key)
 
 
+def keep_digests(doc: dict[str, Any], out: Path) -> None:
+    """Put in each fedring run's record what the verdict reads of its rows under `out`
+    (``rows_digest``): a ``grid.json`` without its run folders keeps its verdict."""
+    from fedring.bench.lab_grid_verdict import FEDRING_RUNS, facts
+
+    for run in doc["runs"]:
+        if run["method"] in FEDRING_RUNS and (rows := run_rows(out, run)):
+            run["rows_digest"] = facts(run, rows)
+
+
 def write(doc: dict[str, Any], out: Path, draw: bool = True) -> dict[str, Any]:
     """``grid.json``, ``grid.md`` (the tables) and, with `draw`, ``grid.png`` (the plot)
     in `out`."""
     from fedring.bench.lab_grid_report import plot, tables
     from fedring.bench.lab_grid_verdict import verdict
 
+    keep_digests(doc, out)
     atomic_write(out / "grid.json", json.dumps(doc, indent=1))
     judged = any(r["method"] == "auto-codec" for r in doc["runs"])
     head = "\n\n`auto` choosing codec and collective against the rest (issue 29's bars):\n\n"

@@ -30,6 +30,13 @@ runs differ only by chance, so ``|their time ratio - 1|`` is a sample of the run
 noise; the verdict states how many pairs, their median and their largest, and reads
 "within noise" as at most ``1 + median`` (the strict reading: half the pairs of one
 plan differed by more).
+
+**Without the run folders.** What the verdict reads of a run's rows (`facts`) is kept
+in its record in ``grid.json`` (``rows_digest``) each time the grid is written, so a
+``grid.json`` moved or checked out without its run folders keeps its verdict. Cells
+whose runs predate the digest carry the two figures their report had shown
+(``recovered``: the dense comm share and the floor), used only while no run of the
+cell has rows or a digest.
 """
 
 from __future__ import annotations
@@ -63,17 +70,31 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def facts(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the verdict reads of a fedring run's rows: the medians past the warm-up of
+    ``comm_s``, ``step_s`` and ``compute_s``, and the round it reached its target."""
+    medians = {k: _median(rows, k) for k in ("comm_s", "step_s", "compute_s")}
+    return {**medians, "at_target": rounds_to_target(run, rows)}
+
+
+def _facts(rows_of: Rows, run: dict[str, Any]) -> dict[str, Any]:
+    """`facts` from the run's rows; without them, from its record's ``rows_digest``."""
+    rows = rows_of(run)
+    kept = run.get("rows_digest")
+    return kept if not rows and isinstance(kept, dict) else facts(run, rows)
+
+
 def comm_share(rows_of: Rows, runs: dict[str, dict[str, Any]]) -> float | None:
     """The dense ring's communication share of its round (module docstring)."""
     dense = runs.get("dense")
     if dense is None:
         return None
-    rows = rows_of(dense)
-    comm, step = _median(rows, "comm_s"), _median(rows, "step_s")
+    read = _facts(rows_of, dense)
+    comm, step = read.get("comm_s"), read.get("step_s")
     if comm is not None and step:
         return min(1.0, comm / step)
     mine = runs.get("auto-codec")
-    compute = _median(rows_of(mine), "compute_s") if mine is not None else None
+    compute = _facts(rows_of, mine).get("compute_s") if mine is not None else None
     if compute is None or not dense.get("round_ms"):
         return None
     return max(0.0, 1.0 - compute * 1e3 / float(dense["round_ms"]))
@@ -99,8 +120,8 @@ def compute_floor(rows_of: Rows, runs: dict[str, dict[str, Any]]) -> tuple[int, 
     that reached the target told its rounds); None without auto-codec's ``compute_s``
     or without a run's rounds to target (module docstring)."""
     mine = runs.get("auto-codec")
-    per_round = _median(rows_of(mine), "compute_s") if mine is not None else None
-    counts = {m: rounds_to_target(runs[m], rows_of(runs[m])) for m in FEDRING_RUNS if m in runs}
+    per_round = _facts(rows_of, mine).get("compute_s") if mine is not None else None
+    counts = {m: _facts(rows_of, runs[m]).get("at_target") for m in FEDRING_RUNS if m in runs}
     known = [n for n in counts.values() if n is not None]
     if per_round is None or not known:
         return None
@@ -150,6 +171,26 @@ def _ratio(mine: float | None, other: float | None, cap: float) -> tuple[str, fl
     return "–", None
 
 
+def cell_name(key: tuple[int, float, float, str]) -> str:
+    """A cell's key in ``grid.json``'s ``recovered``: "N|Mbit/s|delay ms|model"."""
+    n, bw, delay, model = key
+    return f"{n}|{bw:g}|{delay:g}|{model}"
+
+
+def _recovered(doc: dict[str, Any], key: tuple[int, float, float, str],
+               runs: dict[str, dict[str, Any]], rows_of: Rows,
+               ) -> tuple[float | None, tuple[int, float, bool] | None] | None:  # fmt: skip
+    """The cell's dense comm share and floor as its report had them, while no run of the
+    cell has rows or a digest (module docstring); else None."""
+    saved = doc.get("recovered", {}).get(cell_name(key))
+    if not isinstance(saved, dict) or any(
+        rows_of(r) or r.get("rows_digest") for m, r in runs.items() if m in FEDRING_RUNS
+    ):
+        return None
+    f = saved.get("floor")
+    return saved.get("dense_comm"), (int(f[0]), float(f[1]), bool(f[2])) if f else None
+
+
 def verdict(doc: dict[str, Any], rows_of: Rows) -> str:
     """The Markdown table and the noise line (module docstring)."""
     spread = noise(doc)
@@ -177,7 +218,9 @@ def verdict(doc: dict[str, Any], rows_of: Rows) -> str:
         name_p = next((m for m, v in peers.items() if v == best_p), "")
         text_f, r_f = _ratio(t, best_f, cap)
         text_p, r_p = _ratio(t, best_p, cap)
-        share = comm_share(rows_of, runs)
+        share, floor = comm_share(rows_of, runs), compute_floor(rows_of, runs)
+        if (saved := _recovered(doc, (n, bw, delay, model), runs, rows_of)) is not None:
+            share, floor = saved
         worst = min(((p or cap) / t for p in peers.values()), default=None) if t else None
         ok = t is not None and (r_f is None or r_f <= 1.05) and (r_p is None or r_p <= 1 + tol)
         if share is not None and share >= COMM_BOUND:
@@ -187,7 +230,6 @@ def verdict(doc: dict[str, Any], rows_of: Rows) -> str:
         judged = bool(fixed) and bool(peers) and _ran(mine) and reached
         held += ok and judged
         total -= not judged
-        floor = compute_floor(rows_of, runs)
         applies = judged and share is not None and share >= COMM_BOUND
         can = reachable(floor, peers, cap) if applies else "n/a"
         bar[can[0]] = bar.get(can[0], 0) + applies

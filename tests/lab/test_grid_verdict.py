@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedring.bench.lab_grid import Cell, parse_model, run_rows
+from fedring.bench.lab_grid import Cell, keep_digests, parse_model, run_rows
 from fedring.bench.lab_grid_verdict import comm_share, compute_floor, noise, verdict
 
 MODEL = "digits/mlp"
@@ -163,3 +163,40 @@ def test_the_compute_floor_says_dash_where_the_data_cannot_tell(tmp_path: Path) 
     assert "| ≤ 0.040 (20 × 2.00 ms) | yes (1.5) |" in verdict(doc, rows_of)
     doc["runs"][-1]["seconds_to_target"] = 0.16  # 0.032 s: under the floor read so far
     assert "| – (a run's rounds unknown) | not held |" in verdict(doc, rows_of)
+
+
+def test_a_grid_moved_without_its_run_folders_keeps_its_verdict(tmp_path: Path) -> None:
+    """`write` keeps what the verdict reads of each run's rows in grid.json
+    (`keep_digests`): the table made from that file alone, in another folder, is the
+    same; without the digests the floor and the comm share are gone."""
+    doc = {"runs": [*_floor_cell(tmp_path, 1.0), run("ddp", 3.0, 1.0)]}
+    made = verdict(doc, lambda r: run_rows(tmp_path, r))
+    assert "| 0.90 |" in made and "| 0.040 (20 × 2.00 ms) | yes (15.0) |" in made
+    keep_digests(doc, tmp_path)
+    kept = json.loads(json.dumps(doc))  # as grid.json holds it
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    assert {r["method"]: "rows_digest" in r for r in kept["runs"]} == {
+        "dense": True, "ring": True, "auto-codec": True, "ddp": False}
+    assert verdict(kept, lambda r: run_rows(moved, r)) == made
+    for r in kept["runs"]:
+        r.pop("rows_digest", None)
+    bare = verdict(kept, lambda r: run_rows(moved, r)).splitlines()[2]
+    # no comm share, no floor: the 5x bar (3x DDP here) would no longer be seen to apply
+    assert made.splitlines()[2].endswith("| not held |")
+    assert bare.endswith("| – | 3.0 | – | n/a | held |")
+
+
+def test_a_cells_recovered_figures_serve_only_while_none_of_its_runs_has_rows(
+    tmp_path: Path,
+) -> None:
+    """Cells run before the digests carry the figures their report showed (``recovered``)."""
+    saved = {"dense_comm": 0.9, "floor": [20, 0.04, True]}
+    doc = {"runs": [run("dense", 9.0, 1.0, target=0.9), run("ring", 1.2, 1.0, target=0.9),
+                    run("auto-codec", 1.0, 1.0, target=0.9, collective="ring"),
+                    run("ddp", 3.0, 1.0)], "recovered": {"4|1|0|digits/mlp": saved}}  # fmt: skip
+    line = verdict(doc, lambda r: run_rows(tmp_path, r)).splitlines()[2]
+    assert "| 0.90 |" in line and line.endswith("| 0.040 (20 × 2.00 ms) | yes (15.0) | not held |")
+    trained(tmp_path, 1.0, "ring", hit=30, last=30, compute_s=0.004)  # one run re-run: rows
+    line = verdict(doc, lambda r: run_rows(tmp_path, r)).splitlines()[2]
+    assert line.endswith("| – | 3.0 | – | n/a | held |")  # no dense rows, no auto-codec compute
