@@ -113,6 +113,20 @@ def test_resume_runs_only_the_missing_cells_and_a_cut_short_grid_loses_nothing(
     assert "auto (codec too)" in (tmp_path / "grid.md").read_text()
 
 
+def test_resume_keeps_the_figures_recovered_for_cells_run_before_the_digests(
+    tmp_path: Path,
+) -> None:
+    grid(tmp_path, ("ring",), Methods(), resume=False)
+    doc = json.loads((tmp_path / "grid.json").read_text())
+    doc["recovered"] = {"2|1|0|digits/mlp": {"dense_comm": 0.9, "floor": [20, 0.04, True]}}
+    (tmp_path / "grid.json").write_text(json.dumps(doc))
+    more = Methods()
+    grid(tmp_path, ("ddp",), more, resume=True)
+    assert len(more.calls) == 2
+    kept = json.loads((tmp_path / "grid.json").read_text())
+    assert kept["recovered"] == doc["recovered"] and kept["invocations"] == 2
+
+
 def test_without_resume_the_grid_starts_afresh(tmp_path: Path) -> None:
     grid(tmp_path, ("ring",), Methods(), resume=False)
     fresh = Methods()
