@@ -25,6 +25,21 @@ def cells(doc: dict[str, Any]) -> Iterator[tuple[CellKey, dict[str, dict[str, An
     yield from found.items()
 
 
+def not_run(doc: dict[str, Any]) -> list[CellKey]:
+    """The cells the last sitting's budget left out (``not_run``), then every cell of the
+    grid's axes that holds no run at all (a grid finished in sittings whose axes were
+    narrowed by hand: only its report, made with the whole axes, sees those), in run
+    order (N, bandwidth, delay, model)."""
+    have = {key for key, _ in cells(doc)}
+    left: list[CellKey] = [(c["agents"], float(c["bandwidth_mbps"]), float(c["delay_ms"]),
+                            f"{c['model']['dataset']}/{c['model']['model']}")
+                           for c in doc.get("not_run", [])]  # fmt: skip
+    axes = [(int(n), float(bw), float(d), str(m)) for n in doc.get("agents", [])
+            for bw in doc.get("bandwidths_mbps", []) for d in doc.get("delays_ms", [])
+            for m in doc.get("models", [])]  # fmt: skip
+    return left + [k for k in axes if k not in have and k not in left]
+
+
 def cpu_bound(run: dict[str, Any]) -> bool:
     """The agents kept `CPU_BOUND` of the cores busy: the CPU, not the link, set the pace."""
     share = run.get("agents_cpu_share")
@@ -162,11 +177,11 @@ def tables(doc: dict[str, Any]) -> str:
         row += [speedup(mine, runs[m]) if m in runs else "not run" for m in peers]
         lines.append("| " + " | ".join(row) + " |")
     lines += paces(doc)
-    if doc.get("not_run"):
-        lines += ["", "Cells not run (the grid's time budget ran out before they started):", ""]
-        lines += [f"- N={c['agents']}, {c['bandwidth_mbps']:g} Mbit/s, {c['delay_ms']:g} ms, "
-                  f"{c['model']['dataset']}/{c['model']['model']}"
-                  for c in doc["not_run"]]  # fmt: skip
+    left = not_run(doc)
+    if left:
+        lines += ["", "Cells not run (the last sitting's time budget ran out before they started, "
+                  "or no sitting has named them yet):", ""]  # fmt: skip
+        lines += [f"- N={n}, {bw:g} Mbit/s, {delay:g} ms, {model}" for n, bw, delay, model in left]
     errors = [r for r in doc["runs"] if r["error"]]
     if errors:
         lines += ["", "Errors:", ""]

@@ -127,6 +127,21 @@ def test_resume_keeps_the_figures_recovered_for_cells_run_before_the_digests(
     assert kept["recovered"] == doc["recovered"] and kept["invocations"] == 2
 
 
+def test_the_report_lists_every_cell_of_its_axes_that_no_sitting_ran(tmp_path: Path) -> None:
+    # a sitting with its axes narrowed by hand (1 Mbit/s only), then the whole axes back
+    # for the report: the cells no sitting named are listed, in run order
+    grid(tmp_path, ("ring",), Methods(), resume=False, bandwidths=(1.0,))
+    doc = json.loads((tmp_path / "grid.json").read_text())
+    assert doc["not_run"] == []
+    doc |= {"bandwidths_mbps": [1.0, 10.0], "delays_ms": [0.0, 20.0]}
+    table = tables(doc)
+    listed = table.split("Cells not run")[1].split("\n\n")[1].splitlines()
+    assert listed == ["- N=2, 1 Mbit/s, 20 ms, digits/mlp", "- N=2, 10 Mbit/s, 0 ms, digits/mlp",
+                      "- N=2, 10 Mbit/s, 20 ms, digits/mlp"]  # fmt: skip
+    doc |= {"bandwidths_mbps": [1.0], "delays_ms": [0.0]}
+    assert "Cells not run" not in tables(doc)
+
+
 def test_without_resume_the_grid_starts_afresh(tmp_path: Path) -> None:
     grid(tmp_path, ("ring",), Methods(), resume=False)
     fresh = Methods()
