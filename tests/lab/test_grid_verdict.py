@@ -200,3 +200,19 @@ def test_a_cells_recovered_figures_serve_only_while_none_of_its_runs_has_rows(
     trained(tmp_path, 1.0, "ring", hit=30, last=30, compute_s=0.004)  # one run re-run: rows
     line = verdict(doc, lambda r: run_rows(tmp_path, r)).splitlines()[2]
     assert line.endswith("| – | 3.0 | – | n/a | held |")  # no dense rows, no auto-codec compute
+
+
+def test_a_5x_bar_short_only_against_capped_peers_cannot_be_told(tmp_path: Path) -> None:
+    """The dense round is 90% communication; auto-codec needs 13 s. Peers capped at 60 s
+    bound its lead below only (60 / 13 = 4.6x, their true times are longer): the data
+    cannot tell. One peer measured at 50 s (3.8x) settles it: not held."""
+    rows(tmp_path, 1.0, "dense", comm_s=0.9, step_s=1.0)
+    cell = [run("fanout", 13.5, 1.0), run("dense", None, 1.0), run("ddp", None, 1.0),
+            run("auto-codec", 13.0, 1.0, collective="fanout")]  # fmt: skip
+    text = verdict({"runs": cell}, lambda r: run_rows(tmp_path, r))
+    line = text.splitlines()[2]
+    assert "| ≥ 4.6 |" in line and line.endswith("| cannot tell (peers capped at 60 s) |")
+    assert "Held in 0 of 1 cells judged; in 1 more, every other bar held" in text
+    cell[2] = run("ddp", 50.0, 1.0)
+    text = verdict({"runs": cell}, lambda r: run_rows(tmp_path, r))
+    assert text.splitlines()[2].endswith("| not held |") and "more" not in text
