@@ -23,15 +23,24 @@ slower than the dense ring (or the job's collective, dense) on the same link.
 
 A user waits for the target, not for a round. Group-top-k with error feedback needs
 more rounds to reach it than dense (a left-out coordinate waits about ``1 / density``
-rounds for its turn), so a codec is judged by its time to target: `rounds_factor`
+rounds for its turn), so a plan is judged by its time to target: `rounds_factor`
 (dense 1) x (the round's compute + the plan's all-reduce), with the compute the
 members measured (`to_target`). The factor is a prior, measured in the edge lab's
-grid (`docs/lab.md`: group-top-k at 1% with the DGC warm-up reached the target in
-440 rounds where dense took 230 on the MNIST-1D CNN, 1.91x; 70 against 55 on the
-digits MLP, 1.27x): the larger, `ROUNDS_AT_FLOOR`, at the policy's floor density,
-shrinking as ``FLOOR / density`` above it. Erring towards dense costs little where
-the link is the bottleneck (group-top-k's round is then 10 to 20x shorter) and keeps
-`auto` from losing to the dense ring where the CPU is.
+grid and in process (`docs/lab.md`, "Rounds to target, by collective"):
+- fan-out and the hub sum the members' exact payloads: `ROUNDS_AT_FLOOR`, 1.91 at the
+  policy's floor density (the MNIST-1D CNN at N = 4; 1.1 to 2.2 measured from N = 2 to 16
+  and the two models), shrinking as ``FLOOR / density`` above it;
+- the ``bounded`` ring re-selects the top k of each partial sum at every one of its
+  reduce-scatter steps and holds the rest back in error feedback, so past N = 4 it needs
+  more rounds the more steps it takes: the one-step factor x ``1 + RING_STEP x (steps -
+  RING_FREE_STEPS)`` (in process, the CNN's ring needed 1.0, 1.1, 1.7 and 2.9x fan-out's
+  rounds at N = 2, 4, 8 and 16; the digits MLP's 1.0, 1.4, 1.5 and 2.4x). The ``exact``
+  ring sums exactly: none.
+The factor counts whenever plans with different factors are compared: dense against
+group-top-k, and the ring against the one-step collectives under ``collective = "auto"``
+alone. Erring towards dense costs little where the link is the bottleneck (group-top-k's
+round is then 10 to 20x shorter) and keeps `auto` from losing to the dense ring where the
+CPU is.
 """
 
 from __future__ import annotations
@@ -50,7 +59,9 @@ from fedring.collective.cost import (
     Workload,
     choose,
     codec_of,
+    collective_of,
     predict,
+    steps,
 )
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.policy import FLOOR
@@ -64,9 +75,17 @@ HEADER_BYTES = 64  # a compact frame's header is at most this (`wire.compact`)
 # to the byte for every grid model and density, in 0.3 ms instead of 50 to 100 (the
 # first plan measures one payload per warm-up density)
 _MAX_SAMPLE = 1 << 16
-# rounds to the target of group-top-k at the policy's floor (1%) over dense's: the
-# larger of the two the edge lab's grid measured (1.91 and 1.27; the module's docstring)
+# rounds to the target of group-top-k at the policy's floor (1%) over dense's on a
+# one-step collective (fan-out, the hub): the MNIST-1D CNN's at N = 4 (the docstring)
 ROUNDS_AT_FLOOR = 1.91
+# the bounded ring's extra rounds over a one-step collective's: none for its first
+# `RING_FREE_STEPS` reduce-scatter re-selections (N = 4 and less: 1.0 to 1.4x measured,
+# where the ring often wins on time: counting them lost two of three lab cells checked),
+# then `RING_STEP` for each one more: the least-squares slope (0.127) of (ring's rounds /
+# one-step's - 1) over eight measurements at N = 8 and 16 (`docs/lab.md`, "Rounds to
+# target, by collective"; `bench/rounds_by_collective.py`)
+RING_FREE_STEPS = 3
+RING_STEP = 0.13
 
 
 def candidates(spec: JobSpec) -> tuple[str, ...]:
@@ -141,12 +160,20 @@ def choose_collective(spec: JobSpec, numel: int, probes: list[Probe]) -> Choice:
 
 
 def rounds_factor(spec: JobSpec, plan: str) -> float:
-    """Rounds to the target of `plan` over the dense codec's: 1 for a dense plan (and for
-    a job whose codec is not chosen), else ``1 + (ROUNDS_AT_FLOOR - 1) x FLOOR / density``."""
-    if not codec_choosable(spec) or codec_of(plan) == "dense" or spec.compression != "group-topk":
+    """Rounds to the target of `plan` over the dense codec's, for ``spec.agents`` members:
+    1 for a dense plan (and for a job that sends dense), else ``1 + (at_floor - 1) x FLOOR
+    / density`` with `at_floor` `ROUNDS_AT_FLOOR` on a one-step collective, times
+    ``1 + RING_STEP x (steps - RING_FREE_STEPS)`` on the bounded ring of `steps` reduce-scatter
+    re-selections (N - 1 on a ring; N = 16's 2 x 2 x 4 torus makes 5) past the first
+    `RING_FREE_STEPS`."""
+    if codec_of(plan) == "dense" or spec.compression != "group-topk":
         return 1.0
+    at_floor = ROUNDS_AT_FLOOR
+    if collective_of(plan) == "ring" and spec.policy == "bounded":
+        selections = steps("ring", spec.agents, spec.topology) // 2  # one per reduce-scatter step
+        at_floor *= 1.0 + RING_STEP * max(selections - RING_FREE_STEPS, 0)
     density = max(float(spec.density), 1e-6)  # sparser than the floor: more rounds still
-    return 1.0 + (ROUNDS_AT_FLOOR - 1.0) * FLOOR / density
+    return 1.0 + (at_floor - 1.0) * FLOOR / density
 
 
 def to_target(spec: JobSpec, plan: str, allreduce_s: float, compute_s: float = 0.0) -> float:

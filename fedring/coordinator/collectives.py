@@ -119,8 +119,8 @@ class CollectivePlans:
         compute = _round_compute(spec, fleet, members)
         # the rounds this plan holds before `replan` first checks it (`observe`)
         horizon = max(warmup_rounds(spec), start + 2) + CALIBRATION_ROUNDS + 1 - start
-        choice = choose_plan(spec.replace(agents=len(members)), numel, probes, compute,
-                             start, horizon)  # fmt: skip
+        spec = spec.replace(agents=len(members))  # the rounds factor grows with the ring
+        choice = choose_plan(spec, numel, probes, compute, start, horizon)
         self.codecs = codec_choosable(spec)
         if choosing(spec):
             expected = self._expected(members, choice)
@@ -180,7 +180,8 @@ class CollectivePlans:
             self.learned = True
         if key in self.settled:
             return ""
-        again = self._again(spec.replace(agents=world), planned, chosen)
+        spec = spec.replace(agents=world)
+        again = self._again(spec, planned, chosen)
         compute = statistics.median(planned.compute) if planned.compute else planned.compute_s
         time = {a: to_target(spec, a, v, compute) for a, v in again.items()}
         now = to_target(spec, chosen, measured, compute)
@@ -263,8 +264,9 @@ class CollectivePlans:
                 choice["codec"] = codec_of(planned.choice.algorithm, spec.compression)
                 # what the plan compared: each plan's round, weighed by its extra rounds
                 choice["compute_s"] = round(planned.compute_s, 6)
+                members = spec.replace(agents=len(planned.members))
                 choice["to_target_s"] = {
-                    a: round(to_target(spec, a, v, planned.compute_s), 6)
+                    a: round(to_target(members, a, v, planned.compute_s), 6)
                     for a, v in planned.choice.predicted_s.items()
                 }
             predicted: float | None = round(chosen + steps * compute + gate, 6)

@@ -107,6 +107,24 @@ def test_candidates_predicted_far_off_and_fixed_collectives_are_not_tried() -> N
         assert slow.replan(job) == ""
 
 
+def test_a_long_compute_makes_the_rounds_decide_and_fanout_is_tried_at_n8() -> None:
+    """In a ring of 8 the bounded ring re-selects seven times and needs more rounds than
+    fan-out (`choose.rounds_factor`): where a round computes for a second, a ring twice as
+    fast an all-reduce as fan-out could be still reaches the target later, and fan-out is
+    tried. In a ring of 4 the same measurement keeps the ring (the previous test)."""
+    eight = [f"a{i}" for i in range(8)]
+    job = spec().replace(agents=8)
+    plans = CollectivePlans(hop_prior_s=0.0)
+    assert plans.plan(job, 0, eight, Fleet(hellos={a: dict(HELLO) for a in eight}), NUMEL,
+                      0) == "ring"  # fmt: skip
+    fast = plans.epochs[0].choice.predicted_s["fanout"] / (2 * TRY_WITHIN)
+    first, said = rows_from(plans), ""
+    for r in range(first, first + CALIBRATION_ROUNDS):
+        plans.observe(job, r, {"round": r, "comm_s": fast, "compute_s": 1.0})
+        said = said or plans.replan(job)
+    assert said.startswith("trying fanout:"), said
+
+
 def test_warm_up_rounds_and_a_new_rings_first_rounds_are_not_measured() -> None:
     job, plans = spec(), CollectivePlans(hop_prior_s=0.0)
     warm = warmup_rounds(job)
