@@ -28,8 +28,8 @@ rounds for its turn), so a plan is judged by its time to target: `rounds_factor`
 members measured (`to_target`). The factor is a prior, measured in the edge lab's
 grid and in process (`docs/lab.md`, "Rounds to target, by collective"):
 - fan-out and the hub sum the members' exact payloads: `ROUNDS_AT_FLOOR`, 1.91 at the
-  policy's floor density (the MNIST-1D CNN at N = 4; 1.1 to 2.2 measured from N = 2 to 16
-  and the two models), shrinking as ``FLOOR / density`` above it;
+  policy's floor density (the MNIST-1D CNN at N = 4; 0.8 to 2.2 measured over four models
+  from N = 2 to 16), shrinking as ``FLOOR / density`` above it;
 - the ``bounded`` ring re-selects the top k of each partial sum at every one of its
   reduce-scatter steps and holds the rest back in error feedback, so past N = 4 it needs
   more rounds the more steps it takes: the one-step factor x ``1 + RING_STEP x (steps -
