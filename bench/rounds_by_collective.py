@@ -25,21 +25,18 @@ import argparse
 import json
 from typing import Any
 
+from fedring.bench.lab_grid import EVAL_EVERY, FEDRING, TARGETS
 from fedring.choose import rounds_factor
 from fedring.config import JobSpec
 from fedring.sim.runner import simulate
 
-TARGETS = {"mnist1d": (0.85, 10), "digits": (0.95, 5)}  # the lab grid's, with its eval_every
-PLANS = {
-    "dense": {"compression": "none", "collective": "ring"},
-    "ring": {"compression": "group-topk", "density": 0.01, "collective": "ring"},
-    "fanout": {"compression": "group-topk", "density": 0.01, "collective": "fanout"},
-}
+# the lab grid's jobs: its targets, evaluation periods and methods
+PLANS = {plan: {"collective": "ring", **FEDRING[plan]} for plan in ("dense", "ring", "fanout")}
 
 
 def rounds_to_target(agents: int, model: str, plan: str, seed: int) -> int | None:
     dataset, _, net = model.partition("/")
-    target, every = TARGETS[dataset]
+    target, every = TARGETS[dataset], EVAL_EVERY[dataset]
     spec = JobSpec.from_mapping({"agents": agents, "dataset": dataset, "model": net,
                                  "rounds": 100_000, "eval_every": every,
                                  "target_accuracy": target, "seed": seed,

@@ -128,8 +128,9 @@ def test_the_bounded_rings_extra_rounds_grow_with_its_reduce_scatter_steps() -> 
     def ring(n: int, **fields: object) -> float:
         return rounds_factor(job(agents=n, density=0.01, **fields), "ring")
 
-    assert RING_FREE_STEPS == 3  # N = 4: where the ring often wins on time (`docs/lab.md`)
-    assert ring(2) == ring(4) == pytest.approx(ROUNDS_AT_FLOOR)
+    free = 1 + RING_FREE_STEPS  # the largest ring not charged: N = 4 (`docs/lab.md`)
+    assert ring(2) == ring(free) == pytest.approx(ROUNDS_AT_FLOOR)
+    assert ring(free + 1) == pytest.approx(ROUNDS_AT_FLOOR * (1 + RING_STEP))
     assert ring(8) == pytest.approx(ROUNDS_AT_FLOOR * (1 + 4 * RING_STEP))
     assert ring(4) < ring(8) < ring(16, topology="ring")
     assert ring(16, topology="ring") == pytest.approx(ROUNDS_AT_FLOOR * (1 + 12 * RING_STEP))
