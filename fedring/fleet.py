@@ -90,6 +90,7 @@ class _Entry:
     online_since: float = 0.0  # when its current online status reached us
     beat_session: str = ""
     last_beat: float | None = None
+    busy: float = 0.0  # seconds its latest beat said its next ones may wait behind its sends
     rss: int | None = None
     notes: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_NOTES))
 
@@ -170,7 +171,7 @@ class BoardTable:
             if not beat.session or (status is not None and beat.session != status.session):
                 self.counters.add("bad_beat")
                 return
-            entry.beat_session, entry.last_beat = beat.session, now
+            entry.beat_session, entry.last_beat, entry.busy = beat.session, now, beat.busy
             self._beats_heard += 1
             if beat.rss is not None:
                 entry.rss = beat.rss
@@ -241,7 +242,7 @@ class BoardTable:
 
     def _limit(self, entry: _Entry) -> float:
         keepalive = entry.status.keepalive if entry.status else self.default_keepalive
-        return SILENT_AFTER * keepalive
+        return SILENT_AFTER * keepalive + entry.busy  # as the coordinator's watch
 
     def _quiet(self, entry: _Entry, now: float) -> float:
         """Seconds since its latest beat, or since we could have heard one."""

@@ -31,6 +31,9 @@ SEND_S = 10.0
 # Seconds past a peer's silence limit (SILENT_AFTER x its keep-alive) before the link's
 # silence check, which runs every 0.25 s, has surely seen a peer that stopped beating.
 VERDICT_MARGIN_S = 1.0
+# How long a ring that would be empty waits for holders that fell silent (hung or
+# starved, not gone: no will, no goodbye) to beat again before the job gives up.
+SILENT_WAIT_S = 60.0
 
 
 class CoordinatorError(RuntimeError):
@@ -78,7 +81,19 @@ class ControlPort:
             if deadline.expired:
                 break
             self._poll(0.1)
-        return decide.next_ring(self.fleet, self._ready(), self.ck.shards, self.refused)
+        ring = decide.next_ring(self.fleet, self._ready(), self.ck.shards, self.refused)
+        silent = self.link.silent_peers() & set(self.ck.shards)
+        if ring or not silent:
+            return ring
+        log.warning("every holder of a shard is offline; %s fell silent without leaving: "
+                    "waiting up to %g s for one to beat again", ", ".join(sorted(silent)),
+                    SILENT_WAIT_S)  # fmt: skip
+        self.counters.add("ring_waited_for_silent")
+        deadline = Deadline.after(SILENT_WAIT_S)
+        while not ring and not deadline.expired:
+            self._poll(0.1)
+            ring = decide.next_ring(self.fleet, self._ready(), self.ck.shards, self.refused)
+        return ring
 
     def _verdict_s(self, agent: str) -> float:
         """How long after a report the link's watch has surely seen `agent` go silent."""

@@ -192,6 +192,11 @@ class MqttLink:
     def peers(self) -> frozenset[str]:
         return self._presence.peers()
 
+    def silent_peers(self) -> frozenset[str]:
+        """Peers a watching link took for lost when their beats stopped, though they never
+        left (no goodbye, no will): they count as online again at their next beat."""
+        return self._presence.silent()
+
     def peers_in(self, job: str) -> dict[str, str]:
         """Online peers whose presence names `job` (links made with ``job=``): id -> session."""
         return self._presence.peers_in(job)
@@ -256,7 +261,9 @@ class MqttLink:
     # -- outgoing -------------------------------------------------------------
 
     def publish(self, topic: str, data: bytes, deadline: Deadline, *, retain: bool = False) -> None:
-        """QoS 1 publish; waits for room in the outgoing queue until `deadline`."""
+        """QoS 1 publish; waits for room in the outgoing queue until `deadline`. A send
+        long on our uplink goes after a beat that says so (`Heartbeat.ahead`)."""
+        self._heart.ahead(len(data) + len(topic))
         self._conn.publish(topic, data, deadline, retain=retain)
 
     def send_to(self, job: str, dst: str, data: bytes, deadline: Deadline) -> None:

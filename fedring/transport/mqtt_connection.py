@@ -63,6 +63,8 @@ log = logging.getLogger("fedring.transport.mqtt")
 # cap (EMQX's default is 1 MiB, AWS IoT Core's 128 KB; no broker caps below 64 KiB here).
 SUSPECT_CAP = 64 * 1024
 PACKET_TOO_LARGE = 0x95  # MQTT 5 reason code
+UPLINK_PART_KEEPALIVES = 0.5  # a part takes at most this share of a keep-alive to send
+MIN_UPLINK_PART = 16 * 1024  # no smaller, however slow the uplink measured
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,11 @@ class Connection:
         # a handler's exceptions: a few tracebacks per (kind of topic, error) in the log
         self.errors = LogLimiter(log, f"errors handling messages at {me}")
         self._msg_ids = itertools.count(int.from_bytes(os.urandom(4), "big") << 16)
+        # our QoS 1 packets the broker has not acknowledged yet, with their sizes: what a
+        # beat published now waits behind on our uplink (`unacked_bytes`)
+        self._unacked: list[tuple[mqtt.MQTTMessageInfo, int]] = []
+        self._unacked_lock = threading.Lock()
+        self.up_bps = 0.0  # our uplink as last measured (`Probe.link`); 0.0: unknown
 
     @property
     def max_message(self) -> int:
@@ -121,6 +128,8 @@ class Connection:
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fedring-{self.me}",
                              protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311,
                              clean_session=None if self.v5 else False)  # fmt: skip
+        with self._unacked_lock:
+            self._unacked = []  # an old client's packets are not this one's to wait behind
         if self.cfg.username is not None:
             client.username_pw_set(self.cfg.username, self.cfg.password)
         if self.cfg.tls:
@@ -296,20 +305,23 @@ class Connection:
     # -- the caller's thread ------------------------------------------------------------
 
     def publish(self, topic: str, data: bytes, deadline: Deadline, *, retain: bool = False) -> None:
-        """QoS 1 publish, in parts if it exceeds the broker's cap (`max_message`); waits
-        for room in the outgoing queue until `deadline`. Never QoS 2: some brokers (AWS
-        IoT Core) refuse it."""
+        """QoS 1 publish, in parts if it exceeds the broker's cap (`max_message`) or, not
+        retained, what our uplink sends in half a keep-alive (`uplink_part`); waits for
+        room in the outgoing queue until `deadline`. Never QoS 2: some brokers (AWS IoT
+        Core) refuse it."""
         if self.closed or self.client is None:
             raise EndpointClosed(f"link {self.me!r} is closed")
-        cap = self.max_message
-        if cap and packet_size(topic, len(data), self.v5) > cap:
-            if retain:
-                self.counters.add("mqtt_too_large")
-                raise MessageTooLarge(
-                    f"retained message of {len(data)} bytes on {topic} exceeds the broker's "
-                    f"packet cap of {cap} bytes (max_message): a retained message cannot be "
-                    "sent in parts"
-                )
+        cap, size = self.max_message, packet_size(topic, len(data), self.v5)
+        if cap and size > cap and retain:
+            self.counters.add("mqtt_too_large")
+            raise MessageTooLarge(
+                f"retained message of {len(data)} bytes on {topic} exceeds the broker's "
+                f"packet cap of {cap} bytes (max_message): a retained message cannot be "
+                "sent in parts"
+            )
+        if not retain:  # and the part our uplink sends well within a keep-alive
+            cap = min((c for c in (cap, self.uplink_part()) if c), default=0)
+        if cap and size > cap:
             try:
                 parts = split_message(topic, data, cap, next(self._msg_ids))
             except PartError as exc:
@@ -330,13 +342,36 @@ class Connection:
         while True:
             info = self.client.publish(topic, data, qos=1, retain=retain)
             if info.rc == mqtt.MQTT_ERR_SUCCESS or info.rc == mqtt.MQTT_ERR_NO_CONN:
-                break  # NO_CONN: queued, sent once we reconnect
+                if info.rc == mqtt.MQTT_ERR_SUCCESS:  # NO_CONN: queued, sent once we reconnect
+                    with self._unacked_lock:  # (paho cannot say when: not counted)
+                        self._unacked = [*self._prune(), (info, len(data) + len(topic))]
+                break
             if info.rc != mqtt.MQTT_ERR_QUEUE_SIZE:
                 raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
             if deadline.expired:
                 self.counters.add("send_queue_full")
                 raise TransportTimeout(f"outgoing queue of {self.me!r} stayed full")
             time.sleep(0.005)
+
+    def uplink_part(self) -> int:
+        """The largest packet our uplink, as last measured, sends in UPLINK_PART_KEEPALIVES
+        of a keep-alive (0: unmeasured). paho takes a connection for dead when nothing
+        comes back a keep-alive after its ping, and its ping waits behind what we send:
+        a longer packet dropped us, and QoS 1 sent it again after the reconnect, for ever.
+        Cut there, each part's acknowledgement comes back in time."""
+        if self.up_bps <= 0:
+            return 0
+        return max(MIN_UPLINK_PART, int(self.up_bps * self.cfg.keepalive * UPLINK_PART_KEEPALIVES))
+
+    def unacked_bytes(self) -> int:
+        """Bytes of our QoS 1 packets the broker has not acknowledged yet: a beat
+        published now reaches the broker only after them (`Heartbeat.ahead`)."""
+        with self._unacked_lock:
+            self._unacked = self._prune()
+            return sum(n for _, n in self._unacked)
+
+    def _prune(self) -> list[tuple[mqtt.MQTTMessageInfo, int]]:
+        return [(info, n) for info, n in self._unacked if not info.is_published()]
 
     def _stop_client(self) -> None:
         if self.client is not None:

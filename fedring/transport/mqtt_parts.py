@@ -8,7 +8,10 @@ its ``max_packet_size``. A link learns the cap from the broker's MQTT 5 CONNACK
 which cannot announce one). Frames are sized by the job (the boards' profiles) before
 any link is asked, and control messages, the model, hellos and ring chunks all leave
 through the link's one `publish`: so the cut is made there, the one place that knows
-both the topic and the cap. A message that fits goes out unchanged.
+both the topic and the cap. A message that fits goes out unchanged. The link cuts at
+a second cap too, once its uplink is measured: what that uplink sends in half a
+keep-alive (`Connection.uplink_part`), so that paho's ping, queued behind the send,
+is answered in time.
 
 A part is ``MAGIC`` (4 bytes), the message id (u64, per link), the part's index and
 the part count (u32 each), then its piece. ``MAGIC`` starts with 0xC1, the one byte

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedring.counters import Counters
 from fedring.logs_limit import LogLimiter
@@ -38,6 +39,9 @@ from fedring.transport.base import MembershipEvent
 from fedring.transport.mqtt_broker import BrokerConfig
 from fedring.transport.mqtt_connection import Connection
 from fedring.wire.jsondoc import parse_document
+
+if TYPE_CHECKING:
+    import paho.mqtt.client as mqtt
 
 log = logging.getLogger("fedring.transport.mqtt")
 
@@ -49,6 +53,12 @@ BEATS_PER_KEEPALIVE = 3
 SILENT_AFTER = 1.25
 WATCH_TICK_S = 0.25
 MIN_KEEPALIVE_S = 1.0  # a presence announcing less is taken at this: no instant "lost"
+# A beat's ``busy``: the unacknowledged bytes ahead of it over our measured uplink, times
+# BUSY_MARGIN; a watcher extends that beat's silence limit by it, up to MAX_BUSY_S (so a
+# forged beat -- an ACL per id forbids those -- delays the verdict on a hung board by at
+# most that; a forged stream of plain beats already delays it for ever).
+BUSY_MARGIN = 1.5
+MAX_BUSY_S = 600.0
 MAX_BEAT_BYTES = 256  # a beat is ~30 bytes; a longer one's fields are not read
 MAX_BEAT_FIELDS = 8  # KEY=VALUE fields read after SESSION KEEPALIVE
 MAX_RSS_BYTES = 2**48  # 256 TiB: anything above is not a process's memory
@@ -85,11 +95,14 @@ class Beat:
     Beat(session='3f2a', rss=1048576, bad='')
     >>> parse_beat(b"3f2a 5 rss=lots").bad
     "field 'rss=lots': not a whole number of bytes in [0, 2**48]"
+    >>> parse_beat(b"3f2a 5 rss=1 busy=7.5").busy
+    7.5
     """
 
     session: str
     rss: int | None = None  # the process's resident bytes; None: not announced
     bad: str = ""  # why a field was skipped ("": none was)
+    busy: float = 0.0  # seconds the sender's next beats may wait behind its sends
 
 
 def parse_beat(payload: bytes) -> Beat:
@@ -106,7 +119,7 @@ def parse_beat(payload: bytes) -> Beat:
         return Beat(session, bad="beat is not ASCII")
     if len(words) > MAX_BEAT_FIELDS:
         return Beat(session, bad=f"{len(words)} fields > {MAX_BEAT_FIELDS}")
-    rss, bad = None, ""
+    rss, busy, bad = None, 0.0, ""
     for word in words:
         key, eq, value = word.partition("=")
         if not eq:
@@ -116,7 +129,22 @@ def parse_beat(payload: bytes) -> Beat:
                 rss = int(value)
             else:
                 bad = f"field {word[:32]!r}: not a whole number of bytes in [0, 2**48]"
-    return Beat(session, rss, bad)
+        elif key == "busy":
+            seconds = _number(value)
+            if seconds is not None and 0.0 <= seconds <= MAX_BUSY_S:
+                busy = seconds
+            else:
+                bad = f"field {word[:32]!r}: not a number of seconds in [0, {MAX_BUSY_S:g}]"
+    return Beat(session, rss, bad, busy)
+
+
+def _number(text: str) -> float | None:
+    """`text` as a finite float, or None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def resident_bytes() -> int:
@@ -167,6 +195,12 @@ class Presence:
     def peers(self) -> frozenset[str]:
         with self._lock:
             return frozenset(self._table.online)
+
+    def silent(self) -> frozenset[str]:
+        """Peers taken for lost because their beats stopped, not because they left: a
+        hung (or starved) board that may beat again."""
+        with self._lock:
+            return frozenset(self._table.silent)
 
     def peers_in(self, job: str) -> dict[str, str]:
         """Online peers whose presence names `job`: id -> session."""
@@ -255,12 +289,14 @@ class Presence:
         self._emit(who, [MembershipEvent("lost", who)])
 
     def beat(self, who: str, payload: bytes) -> None:
-        """A beat is ``SESSION [KEEPALIVE [rss=BYTES]]`` (`parse_beat`); it counts only for
-        the session the peer's presence announced, and its silence limit is SILENT_AFTER x
-        the keep-alive that presence announced (never one a beat carries: one forged beat
-        with a tiny keep-alive would have a live peer taken for lost at once). A malformed
-        field is counted (``bad_beat_field``) and skipped; the beat still counts.
-        A watcher hears its own beats too (it subscribes to every agent's): ignored."""
+        """A beat is ``SESSION [KEEPALIVE [rss=BYTES] [busy=SECONDS]]`` (`parse_beat`); it
+        counts only for the session the peer's presence announced, and its silence limit
+        is SILENT_AFTER x the keep-alive that presence announced (never one a beat
+        carries: one forged beat with a tiny keep-alive would have a live peer taken for
+        lost at once), plus the beat's ``busy``: the sender's next beats wait behind its
+        sends (`Heartbeat`). A malformed field is counted (``bad_beat_field``) and
+        skipped; the beat still counts. A watcher hears its own beats too (it subscribes
+        to every agent's): ignored."""
         if who == self.me:
             return
         parsed = parse_beat(payload)
@@ -279,6 +315,7 @@ class Presence:
                 self.counters.add("bad_beat_field")
                 log.debug("%s: skipped a field of %s's beat: %s", self.me, who, parsed.bad)
             limit = SILENT_AFTER * table.keepalive.get(who, float(self.cfg.keepalive))
+            limit += parsed.busy  # its next beats wait behind its sends (`Heartbeat`)
             table.beats[who] = (session, time.monotonic(), limit)
             if table.silent.get(who) == session and who not in table.online:
                 del table.silent[who]  # it was hung, not dead: it is back as it was
@@ -307,16 +344,22 @@ class Presence:
 
 
 class Heartbeat:
-    """Our own beats (``SESSION KEEPALIVE rss=BYTES`` at QoS 0, read by `Presence.beat`
-    and `fedring fleet`), every
-    keepalive / BEATS_PER_KEEPALIVE s while `conn` is connected; on a watcher it also
+    """Our own beats (``SESSION KEEPALIVE rss=BYTES [busy=SECONDS]`` at QoS 0, read by
+    `Presence.beat` and `fedring fleet`), every keepalive / BEATS_PER_KEEPALIVE s while
+    `conn` is connected, and one ahead of a long send (`ahead`); on a watcher it also
     ticks `watch.check_silences`. `stop` ends it for good: a closed link, or one that
-    stepped back for another holder of its id."""
+    stepped back for another holder of its id.
+
+    A beat cannot overtake the bytes queued before it on our connection: on a slow
+    uplink, behind a large payload, it reaches a watcher seconds late. ``busy`` says how
+    long that may be (`busy_s`), so the watcher waits for it instead of taking a live
+    board for lost (issue 29: a fan-out at 1 Mbit/s lost every member in round 0)."""
 
     def __init__(self, conn: Connection, watch: Presence | None) -> None:
         self.conn, self._watch = conn, watch
         self.stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._covered_until = 0.0  # monotonic end of the wait our last ``busy`` announced
 
     def start(self) -> None:
         if self._thread is None:
@@ -327,17 +370,45 @@ class Heartbeat:
     def _loop(self) -> None:
         conn = self.conn
         period = conn.cfg.keepalive / BEATS_PER_KEEPALIVE
-        beat = f"{conn.session} {conn.cfg.keepalive}"
         due = 0.0
         while not self.stop.wait(WATCH_TICK_S if self._watch else period):
             now = time.monotonic()
             client = conn.client
             if now >= due and client is not None and conn.connected.is_set():
-                payload = f"{beat} rss={resident_bytes()}".encode()
-                client.publish(topics.beat(conn.me), payload, qos=0)
+                self._beat(client, self.busy_s(), now)
                 due = now + period
             if self._watch is not None:
                 self._watch.check_silences(now)
+
+    def busy_s(self, more: int = 0) -> float:
+        """Seconds our uplink needs, by its last measurement, for the bytes a beat
+        published now waits behind (and `more` about to go), times BUSY_MARGIN; 0.0
+        while the uplink is unmeasured."""
+        up = self.conn.up_bps
+        if up <= 0:
+            return 0.0
+        return min(BUSY_MARGIN * (self.conn.unacked_bytes() + more) / up, MAX_BUSY_S)
+
+    def ahead(self, nbytes: int) -> None:
+        """Before a send of `nbytes`: if it holds our next beats back past a beat
+        period, a beat goes first to tell a watcher how long to wait (``busy=``). A send
+        already covered by the last such beat sends none."""
+        conn, client, now = self.conn, self.conn.client, time.monotonic()
+        if not conn.cfg.heartbeat or self.stop.is_set() or client is None:
+            return
+        busy, period = self.busy_s(nbytes), conn.cfg.keepalive / BEATS_PER_KEEPALIVE
+        if busy > period and now + busy > self._covered_until + period:
+            self._beat(client, busy, now)
+
+    def _beat(self, client: mqtt.Client, busy: float, now: float) -> None:
+        conn = self.conn
+        if not conn.connected.is_set():
+            return
+        payload = f"{conn.session} {conn.cfg.keepalive} rss={resident_bytes()}"
+        if busy >= 0.1:
+            payload += f" busy={math.ceil(busy * 10) / 10:.1f}"  # rounded up: never short
+            self._covered_until = now + busy
+        client.publish(topics.beat(conn.me), payload.encode(), qos=0)
 
 
 def announced_keepalive(value: object, default: float) -> float:

@@ -87,6 +87,7 @@ class Probe:
         conn.stats.bytes_sent += 9 + pieces * piece
         size = pieces * piece
         up_bps = size / max(up - rtt, 1e-6)
+        conn.up_bps = up_bps  # what our beats' ``busy`` is reckoned at (`Heartbeat.ahead`)
         return {**out, "rtt_s": rtt, "up_bps": up_bps, "down_bps": down_bps(size, piece,
                 up_bps, both - rtt), "link_bps": size / max(both, 1e-9)}  # fmt: skip
 

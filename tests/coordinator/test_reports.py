@@ -34,11 +34,15 @@ class StandInLink:
 
     def __init__(self) -> None:
         self.online = set(AGENTS)
+        self.silent: set[str] = set()  # taken for lost by their beats, not gone
         self.control: queue.Queue[Control] = queue.Queue()
         self.taken_over = ""
 
     def peers(self) -> frozenset[str]:
         return frozenset(self.online)
+
+    def silent_peers(self) -> frozenset[str]:
+        return frozenset(self.silent)
 
 
 def _coordinator(tmp_path: Path) -> tuple[Coordinator, StandInLink]:
@@ -98,6 +102,47 @@ def test_a_reported_peer_back_under_a_new_session_is_a_member_at_once(tmp_path: 
     started = time.monotonic()
     assert sorted(c._members()) == AGENTS
     assert time.monotonic() - started < 1
+
+
+def _all_silent(link: StandInLink) -> None:
+    """Every member's beats stopped at once (a fan-out at 1 Mbit/s, each uplink busy
+    with its own payload): all taken for lost, none gone."""
+    link.silent, link.online = set(link.online), set()
+
+
+def test_a_ring_of_members_all_silent_waits_for_one_to_beat_again(tmp_path: Path) -> None:
+    """It failed at once: "no agent holding a shard is online" (issue 29)."""
+    c, link = _coordinator(tmp_path)
+    _all_silent(link)
+
+    def back() -> None:
+        link.silent -= {"a0", "a3"}
+        link.online |= {"a0", "a3"}
+
+    threading.Timer(0.5, back).start()
+    started = time.monotonic()
+    assert sorted(c._members()) == ["a0", "a3"]
+    assert time.monotonic() - started < 3
+    assert c.counters.get("ring_waited_for_silent") == 1
+
+
+def test_a_ring_of_members_all_silent_gives_up_after_its_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("fedring.coordinator.port.SILENT_WAIT_S", 0.5)
+    c, link = _coordinator(tmp_path)
+    _all_silent(link)
+    started = time.monotonic()
+    assert c._members() == []
+    assert 0.5 <= time.monotonic() - started < 2
+
+
+def test_a_ring_with_no_silent_holder_does_not_wait(tmp_path: Path) -> None:
+    c, link = _coordinator(tmp_path)
+    link.online = set()  # every one left (goodbye or will)
+    started = time.monotonic()
+    assert c._members() == []
+    assert time.monotonic() - started < 1 and c.counters.get("ring_waited_for_silent") == 0
 
 
 @pytest.mark.parametrize("why", ["error: out of memory", "refused: no such task"])

@@ -125,6 +125,18 @@ def test_a_silent_board_is_lost_after_its_limit_and_back_when_it_beats() -> None
     assert t.boards(6.1)[0].state == "online"
 
 
+def test_a_board_whose_beat_says_it_is_busy_sending_is_online_that_much_longer() -> None:
+    """As the coordinator's watch: its next beats wait behind its sends (issue 29)."""
+    t = table()
+    t.status("a1", status("online"), 0.0)
+    t.beat("a1", b"s1 4 rss=1 busy=10.0", 0.1)
+    limit = SILENT_AFTER * 4 + 10.0
+    assert t.boards(0.1 + limit - 0.01)[0].state == "online"
+    assert t.boards(0.1 + limit + 0.01)[0].state == "lost"
+    t.beat("a1", b"s1 4", 20.0)  # through: the plain limit again
+    assert t.boards(20.0 + SILENT_AFTER * 4 + 0.01)[0].state == "lost"
+
+
 def test_a_board_that_never_beat_is_lost_once_another_ones_beats_are_heard() -> None:
     t = table()
     t.status("hung", status("online", "h"), 0.0)

@@ -16,7 +16,7 @@ from fedring.counters import Counters
 from fedring.transport import topics
 from fedring.transport.base import Deadline, LinkStats
 from fedring.transport.mqtt_broker import MIN_MAX_MESSAGE, BrokerConfig, MessageTooLarge
-from fedring.transport.mqtt_connection import Connection, Hooks
+from fedring.transport.mqtt_connection import MIN_UPLINK_PART, Connection, Hooks
 from fedring.transport.mqtt_parts import (
     HEADER,
     MAGIC,
@@ -126,7 +126,7 @@ class FakeClient:
     def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> object:
         assert qos == 1  # never QoS 2: AWS IoT Core refuses it
         self.published.append((topic, bytes(payload), retain))
-        return type("Info", (), {"rc": 0})()
+        return type("Info", (), {"rc": 0, "is_published": lambda _self: True})()
 
     def socket(self) -> None:  # no socket to set TCP_QUICKACK on
         return None
@@ -136,6 +136,31 @@ def connection(url: str) -> tuple[Connection, FakeClient]:
     conn = Connection(BrokerConfig.parse(url), "a1", None, Counters(), LinkStats())
     conn.client = FakeClient()  # type: ignore[assignment]
     return conn, conn.client  # type: ignore[return-value]
+
+
+def test_a_message_long_on_a_measured_uplink_leaves_in_parts_sent_within_a_keep_alive() -> None:
+    """paho takes its link for dead when nothing answers its ping within a keep-alive,
+    and the ping waits behind our send: 2.5 MB at ~260 kB/s dropped the link, and QoS
+    1 sent it again on every reconnect (issue 29). Parts take half a keep-alive each."""
+    conn, client = connection("mqtt://127.0.0.1:1883")  # keep-alive 5 s
+    assert conn.cfg.keepalive == 5
+    conn.publish(TOPIC, bytes(1_000_000), Deadline.after(1))
+    assert len(client.published) == 1  # unmeasured: as the broker takes it
+    conn.up_bps = 100_000.0  # 0.8 Mbit/s: 250 kB in half a keep-alive
+    conn.publish(TOPIC, bytes(1_000_000), Deadline.after(1))
+    sizes = [packet_size(t, len(p), v5=False) for t, p, _ in client.published[1:]]
+    assert len(sizes) == 5 and max(sizes) <= conn.uplink_part() == 250_000
+    conn.publish(TOPIC, bytes(1_000_000), Deadline.after(1), retain=True)
+    assert len(client.published[-1][1]) == 1_000_000  # a retained message goes whole
+    conn.up_bps = 1.0  # however slow: parts of MIN_UPLINK_PART
+    assert conn.uplink_part() == MIN_UPLINK_PART
+
+
+def test_the_smaller_of_the_brokers_and_the_uplinks_cap_cuts() -> None:
+    conn, client = connection("mqtt://127.0.0.1:1883?max_message=128k")
+    conn.up_bps = 1e6  # 2.5 MB in half a keep-alive: the broker's cap is smaller
+    conn.publish(TOPIC, bytes(400_000), Deadline.after(1))
+    assert max(packet_size(t, len(p), v5=False) for t, p, _ in client.published) <= 128 * 1024
 
 
 def test_a_message_over_the_url_cap_leaves_in_parts_that_fit() -> None:
