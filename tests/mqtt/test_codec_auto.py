@@ -11,6 +11,7 @@ from pathlib import Path
 from fedring.collective.cost import ALGORITHMS, Choice
 from fedring.config import AUTO_LR, AUTO_LR_EF_SGD, JobSpec
 from fedring.coordinator.collectives import CollectivePlans
+from fedring.coordinator.epoch import HELD_SPREAD
 from fedring.coordinator.membership import Fleet as MemberFleet
 from fedring.coordinator.service import Coordinator, Options
 from fedring.transport.mosquitto import Mosquitto
@@ -59,8 +60,10 @@ def test_a_switch_to_dense_mid_job_flushes_the_residual(
     coord.collectives = _DenseAt(coord.fleet)
     summary = coord.run()
     sparse, dense = summary["collective"]
-    # the same ring went on from where it halted, not from the checkpoint (round 0)
-    assert SWITCH_AT <= dense["from_round"] <= SWITCH_AT + 4
+    # the same ring went on from where it halted, not from the checkpoint (round 0):
+    # the newest round every member holds, and a member slower than the head may have
+    # been halted before it committed round SWITCH_AT (seen once under load)
+    assert SWITCH_AT - HELD_SPREAD <= dense["from_round"] <= SWITCH_AT + 4
     assert set(sparse["predicted_s"]) == {"dense ring", "ring"}
     assert (sparse["chosen"], sparse["codec"]) == ("ring", "group-topk")
     assert (dense["chosen"], dense["codec"]) == ("dense ring", "dense")
