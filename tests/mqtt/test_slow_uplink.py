@@ -19,7 +19,7 @@ from fedring.transport import topics
 from fedring.transport.base import Deadline
 from fedring.transport.mosquitto import Mosquitto
 from fedring.transport.mqtt import BrokerConfig, MqttLink
-from tests.mqtt.conftest import MISSING
+from tests.mqtt.conftest import MISSING, wait_for
 
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING or "mosquitto present")
 
@@ -34,18 +34,11 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
         yield b
 
 
-def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _send_long(board: MqttLink) -> None:
     """One long message on `board`'s uplink; returns once the broker has it."""
     topic = topics.inbox("job-x", "nobody", board.me)
     board.publish(topic, bytes(SEND_BYTES), Deadline.after(30))
-    _wait(lambda: board._conn.unacked_bytes() == 0, 30, "the broker's ack")
+    wait_for(lambda: board._conn.unacked_bytes() == 0, 30, "the broker's ack")
 
 
 def test_a_board_busy_sending_on_a_slow_uplink_is_not_taken_for_lost(broker: Mosquitto) -> None:
@@ -59,7 +52,7 @@ def test_a_board_busy_sending_on_a_slow_uplink_is_not_taken_for_lost(broker: Mos
         try:
             up_bps = board.probe_link()["up_bps"]  # as an agent's, before its hello
             assert 80e3 < up_bps < 800e3, up_bps  # the proxy's ~260 kB/s
-            _wait(lambda: "slow" in watcher.peers(), 10, "the board online")
+            wait_for(lambda: "slow" in watcher.peers(), 10, "the board online")
 
             # Measured (as every agent's is, before its hello), a beat ahead of the
             # send says how long the next ones may take, and the send goes in parts
