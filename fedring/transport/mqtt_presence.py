@@ -92,7 +92,7 @@ class Beat:
     """One heartbeat: its session (all that liveness reads), and its fields.
 
     >>> parse_beat(b"3f2a 5 rss=1048576")
-    Beat(session='3f2a', rss=1048576, bad='')
+    Beat(session='3f2a', rss=1048576, bad='', busy=0.0)
     >>> parse_beat(b"3f2a 5 rss=lots").bad
     "field 'rss=lots': not a whole number of bytes in [0, 2**48]"
     >>> parse_beat(b"3f2a 5 rss=1 busy=7.5").busy
