@@ -73,7 +73,9 @@ class ControlPort:
 
     def _members(self) -> list[str]:
         """The next ring: online holders of a shard that did not refuse the job, once the
-        link has its own verdict on every peer a member reported lost (`Suspects`)."""
+        link has its own verdict on every peer a member reported lost (`Suspects`). Where
+        none is online but some fell silent without leaving (a board busy behind its own
+        sends), it waits up to `SILENT_WAIT_S` for one to beat again."""
         assert self.ck is not None and self.link is not None
         self._poll(0.0)
         deadline = Deadline.after(max(map(self._verdict_s, self.ck.shards), default=0.0))
@@ -81,19 +83,19 @@ class ControlPort:
             if deadline.expired:
                 break
             self._poll(0.1)
-        ring = decide.next_ring(self.fleet, self._ready(), self.ck.shards, self.refused)
-        silent = self.link.silent_peers() & set(self.ck.shards)
-        if ring or not silent:
-            return ring
-        log.warning("every holder of a shard is offline; %s fell silent without leaving: "
-                    "waiting up to %g s for one to beat again", ", ".join(sorted(silent)),
-                    SILENT_WAIT_S)  # fmt: skip
-        self.counters.add("ring_waited_for_silent")
-        deadline = Deadline.after(SILENT_WAIT_S)
-        while not ring and not deadline.expired:
-            self._poll(0.1)
+        wait: Deadline | None = None  # for a silent holder to beat again, once begun
+        while True:
             ring = decide.next_ring(self.fleet, self._ready(), self.ck.shards, self.refused)
-        return ring
+            silent = self.link.silent_peers() & set(self.ck.shards)
+            if ring or not silent or (wait is not None and wait.expired):
+                return ring
+            if wait is None:
+                log.warning("every holder of a shard is offline; %s fell silent without "
+                            "leaving: waiting up to %g s for one to beat again",
+                            ", ".join(sorted(silent)), SILENT_WAIT_S)  # fmt: skip
+                self.counters.add("ring_waited_for_silent")
+                wait = Deadline.after(SILENT_WAIT_S)
+            self._poll(0.1)
 
     def _verdict_s(self, agent: str) -> float:
         """How long after a report the link's watch has surely seen `agent` go silent."""
