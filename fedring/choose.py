@@ -193,6 +193,19 @@ def sent_densities(spec: JobSpec, start: int, rounds: int) -> Counter[float]:
     return Counter(schedule.density(r) for r in range(start, end))
 
 
+def longest_wait(spec: JobSpec, numel: int, probes: list[Probe], plan: str, start: int) -> float:
+    """The longest a member of `plan` waits on one step in round `start`, with that
+    round's payloads (the density warm-up's first are up to 25x the target's): one step of
+    a ring, the whole all-reduce where a member waits for it at once (fan-out's one step;
+    a hub's member waits for the gather and the spread). Each step's deadline is the job's
+    ``timeout_s``, which must cover this."""
+    density = max(sent_densities(spec, start, 1))
+    seconds = predict(plan, probes, workload(spec.replace(density=density), numel))
+    if collective_of(plan) == "ring":
+        return seconds / max(steps(plan, len(probes), spec.topology), 1)
+    return seconds
+
+
 def horizon_seconds(spec: JobSpec, numel: int, probes: list[Probe], candidates: tuple[str, ...],
                     start: int, rounds: int) -> dict[str, float]:  # fmt: skip
     """Each group-top-k plan's mean all-reduce over the `rounds` from `start` it holds

@@ -125,7 +125,7 @@ class JobSpec:
     # that in any fleet; "never" never (docs/fleet.md).
     resync: str = "mixed"
     resync_every: int = 50
-    timeout_s: float = 60.0  # deadline of every ring step
+    timeout_s: float = 60.0  # every collective step's deadline (longer where an epoch needs it)
     # Over MQTT the coordinator checkpoints the ring's model every this many rounds
     # (and at the end), from the members' patches of their slices; `--resume` and a
     # re-formed ring redo at most twice this many rounds (one checkpoint in flight).

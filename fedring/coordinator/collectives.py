@@ -40,19 +40,25 @@ rounds than dense, so its round must be that much shorter), with the round's com
 the members measured: their acks' step of the job's model when the epoch is planned,
 the head's rows (``compute_s``) when it is checked. The epoch's codec goes into its
 manifests (`codec`) and each row (``codec``).
+
+Each step waits at most the job's ``timeout_s``. Where an epoch's plan has a step
+predicted past it (`choose.longest_wait`: the epoch's first payloads over the members'
+measured links), the epoch's manifests carry a longer deadline (``timeout_s``,
+`step_timeout_s`), and the coordinator's own stall limit grows with it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fedring.aggregation.rules import Aggregation
 from fedring.build import needs_centre
-from fedring.choose import choose_plan, choosing, codec_choosable, to_target
+from fedring.choose import choose_plan, choosing, codec_choosable, longest_wait, to_target
 from fedring.collective.cost import Choice, Probe, codec_of, steps
 from fedring.compression.schedule import DGC_STAGES
 from fedring.config import JobSpec
@@ -67,6 +73,8 @@ TRY_WITHIN = 1.25  # try a collective predicted within this factor of the measur
 # 3.7 to 7 ms elsewhere, `docs/lab.md`). Zero made the first plan of a short job count
 # the ring's six steps as free beside fan-out's one.
 HOP_PRIOR_S = 1e-3
+DEADLINE_MARGIN = 1.5  # a late plan's step deadline over its predicted longest step
+MAX_STEP_TIMEOUT_S = 3600.0  # the most a step may wait (`JobSpec.timeout_s`'s bound)
 
 
 @dataclass
@@ -111,6 +119,8 @@ class CollectivePlans:
         self.settled: set[tuple[str, ...]] = set()  # members whose candidates were tried
         self.pending = ""  # the collective a re-plan asked for
         self.codecs = False  # compression "auto": the plans choose the codec too
+        self.late_plans: set[str] = set()  # plans whose steps outlast the job's deadline
+        self.step_timeout_s = 0.0  # the current epoch's step deadline; 0: the job's
 
     def plan(self, spec: JobSpec, epoch: int, members: list[str], fleet: Fleet, numel: int,
              start: int) -> str:  # fmt: skip
@@ -136,7 +146,28 @@ class CollectivePlans:
         predicted = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in choice.predicted_s.items())
         log.info("epoch %d: collective %s (%s; predicted all-reduce %s)", epoch,
                  choice.algorithm, spec.collective, predicted)  # fmt: skip
+        self.step_timeout_s = self._deadline(spec, epoch, choice.algorithm, probes, numel, start)
         return choice.collective
+
+    def _deadline(self, spec: JobSpec, epoch: int, plan: str, probes: list[Probe],
+                  numel: int, start: int) -> float:  # fmt: skip
+        """The epoch's step deadline where the job's ``timeout_s`` is too short for its
+        plan, else 0 (the job's own): `DEADLINE_MARGIN` x the plan's longest step
+        (`choose.longest_wait`), at most `MAX_STEP_TIMEOUT_S`. With the job's deadline
+        its members would time out and the ring re-form for ever (8 members of a hub at
+        1 Mbit/s with the 1 M-parameter MLP: the warm-up's payloads take two minutes at
+        the hub, `docs/lab.md`)."""
+        wait = longest_wait(spec, numel, probes, plan, start)
+        if wait <= spec.timeout_s:
+            return 0.0
+        longer = min(float(math.ceil(DEADLINE_MARGIN * wait)), MAX_STEP_TIMEOUT_S)
+        if plan not in self.late_plans:  # once a plan: every re-formed ring would say it again
+            self.late_plans.add(plan)
+            log.warning("epoch %d: %s's longest step from round %d is predicted at %.0f s "
+                        "over the members' measured links, past timeout_s = %g s: its steps "
+                        "wait up to %g s", epoch, plan, start, wait, spec.timeout_s,
+                        longer)  # fmt: skip
+        return longer
 
     def _expected(self, members: list[str], choice: Choice) -> dict[str, float]:
         """Each candidate's all-reduce: measured on these members, else predicted (over

@@ -24,6 +24,7 @@ from fedring.training.sharding import ShardEntry, ShardError, ShardManifest
 def segment_docs(
     ck: Checkpoint, members: list[str], epoch: int, start: int, frame_bytes: int,
     mode: str = "ring", mixed: bool = False, collective: str = "", held: str = "", codec: str = "",
+    timeout_s: float = 0.0,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Each member's manifest for the segment of `members` from round `start`; `mode`
     "async" sends the deltas through the coordinator (an async job or a degraded ring);
@@ -32,7 +33,8 @@ def segment_docs(
     `held`: the sha256 of the state at `start` every member still holds (a re-plan
     resumes there, its optimizer state too: the manifest says ``held``), else the
     checkpoint's (its parameters only); `codec`: "dense" where compression "auto"
-    chose dense fp32 for the segment, else "" (the job's codec)."""
+    chose dense fp32 for the segment, else "" (the job's codec); `timeout_s`: each step's
+    deadline where the job's ``timeout_s`` is too short for this segment's plan, else 0."""
     table = ShardManifest.from_dict(ck.shard_manifest)
     entry = shard_entries(table)
     topology, world = str(ck.spec.get("topology", "auto")), len(members)
@@ -63,6 +65,7 @@ def segment_docs(
             "params_sha256": params_sha256, "max_frame_bytes": frame_bytes,
             "task": ck.task or None, "mode": mode, "mixed": mixed, "collective": collective,
             **({"codec": codec} if codec else {}),
+            **({"timeout_s": timeout_s} if timeout_s else {}),
             **({"held": True} if held else {}),
         }
         for rank, agent in enumerate(members)

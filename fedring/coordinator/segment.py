@@ -164,7 +164,8 @@ class SegmentRunner(ControlPort):
                             self.fleet.frame_bytes(ep.members),
                             "async" if self.asynchronous else "ring",
                             self.fleet.mixed(ep.members), collective, ep.held,
-                            self.collectives.codec())  # fmt: skip
+                            self.collectives.codec(),
+                            self.collectives.step_timeout_s)  # fmt: skip
         # Every manifest before any model: a member joins the job (and subscribes to its
         # broadcasts) at its manifest, and none starts round 0 before its model, so no
         # member broadcasts before every member has subscribed (sending each member its
@@ -207,7 +208,8 @@ class SegmentRunner(ControlPort):
                 return self._reform(ep, why)
 
     def _stall(self, members: list[str]) -> float:
-        return self.opts.stall_s or self.fleet.stall(members, self.spec.timeout_s)
+        step = max(self.spec.timeout_s, self.collectives.step_timeout_s)
+        return self.opts.stall_s or self.fleet.stall(members, step)
 
     def _on_item(self, ep: Epoch, item: Control) -> tuple[str, bool]:
         """(reason to re-form or "", whether the job moved forward)."""

@@ -8,6 +8,7 @@ with. Each field is checked here and a bad one refused, named: a `KeyError`,
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fedring.collective.fanout import COLLECTIVES
@@ -24,7 +25,7 @@ def read_segment(doc: dict[str, Any], me: str) -> Segment:
         max_frame_bytes=int(doc.get("max_frame_bytes", 0)),
         asynchronous=doc.get("mode") == "async", weight=float(doc.get("weight", 0.0)),
         mixed=doc.get("mixed") is True, collective=collective(doc),
-        codec=codec(doc), held=doc.get("held") is True,
+        codec=codec(doc), held=doc.get("held") is True, timeout_s=step_timeout(doc),
     )  # fmt: skip
     if seg.members[int(doc["rank"])] != me:
         raise JobRefused(f"{me} is not rank {doc['rank']} of the ring: {doc['peers']}")
@@ -60,3 +61,17 @@ def codec(doc: dict[str, Any]) -> str:
     if value not in ("", "dense"):
         raise JobRefused(f"manifest field 'codec'={value!r} must be 'dense' or ''")
     return str(value)
+
+
+MAX_STEP_TIMEOUT_S = 3600.0  # a step's longest deadline (`JobSpec.timeout_s`'s bound)
+
+
+def step_timeout(doc: dict[str, Any]) -> float:
+    """Each step's deadline where the coordinator found the job's ``timeout_s`` too short
+    for this segment's plan (0: the job's own; it never shortens it)."""
+    value = doc.get("timeout_s", 0.0)
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or not 0.0 <= value <= MAX_STEP_TIMEOUT_S):  # fmt: skip
+        raise JobRefused(f"manifest field 'timeout_s'={value!r} must be a number of seconds "
+                         f"in [0, {MAX_STEP_TIMEOUT_S:g}]")  # fmt: skip
+    return float(value)

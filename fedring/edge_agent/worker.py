@@ -97,6 +97,7 @@ class Segment:
     # every member holds the state at start_round (a re-plan): it goes on with all of it;
     # else the start is a checkpoint's, its parameters only (`JobWorker.restore`)
     held: bool = False
+    timeout_s: float = 0.0  # each step's deadline where the job's is too short; 0: the job's
 
     @property
     def channel_job(self) -> str:
@@ -287,7 +288,8 @@ class JobWorker:
         if centre is not None:
             hub = Centre(PeerChannel(centre, seg.channel_job, key=key, counters=counters,
                                      limits=limits), topics.COORDINATOR)  # fmt: skip
-        m = self.bind(Group(channel, tuple(seg.members), spec.topology, spec.timeout_s, hub,
+        deadline = max(spec.timeout_s, seg.timeout_s)
+        m = self.bind(Group(channel, tuple(seg.members), spec.topology, deadline, hub,
                             algorithm=segment_collective(seg, spec)), seg.weight,
                    counters)  # fmt: skip
         m.state.optimizer.reducer.dense = seg.codec == "dense"

@@ -143,3 +143,40 @@ def test_a_want_for_an_earlier_round_is_served_at_the_next_gate() -> None:
     run.want(6)  # 6's patches refused too: its save acks 5 as well
     run.gate(6, every=1, patience=1.0, upload=lambda r: (sent.append(r), run.ack(r)))
     assert sent == [6] and run.acked == 6
+
+
+@pytest.mark.parametrize("manifest_timeout_s", [0.0, 30.0])
+def test_a_segment_waits_each_step_as_long_as_its_manifest_says(manifest_timeout_s: float) -> None:
+    """A member 2 s late: past the job's 0.5 s step deadline, within the 30 s the
+    coordinator put in the manifest for a plan whose steps outlast the job's."""
+    from fedring.counters import Counters
+
+    spec = JobSpec(agents=2, rounds=2, compression="none", eval_every=2, timeout_s=0.5)
+    p = plan(spec)
+    hub = InprocTransport()
+    workers = [JobWorker(f"a{i}", "job-1", spec, i, p.manifest.entry(i).to_dict(), p.model_sha256)
+               for i in range(2)]  # fmt: skip
+    ends = [hub.connect(w.me) for w in workers]
+    results: list[dict | BaseException] = [{}, {}]
+
+    def run(i: int) -> None:
+        seg = Segment(job="job-1", epoch=0, members=["a0", "a1"], start_round=0,
+                      params_sha256="", head="a0", timeout_s=manifest_timeout_s)  # fmt: skip
+        if i == 1:
+            threading.Event().wait(2.0)
+        try:
+            results[i] = workers[i].run(seg, ends[i], b"k" * 32, Counters(), threading.Event(),
+                                        lambda r, row: None)  # fmt: skip
+        except CollectiveTimeout as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if manifest_timeout_s:
+        assert isinstance(results[0], dict) and isinstance(results[1], dict)
+        assert results[0]["sha256"] == results[1]["sha256"] and results[0]["rounds"] == 2
+    else:
+        assert isinstance(results[0], CollectiveTimeout)  # the job's own deadline
