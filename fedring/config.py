@@ -31,6 +31,7 @@ RESYNCS = ("mixed", "always", "never")  # as `engine.resync.RESYNC_POLICIES`
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # fedring.pipeline.schedule.SCHEDULES
 ACTIVATION_DTYPES = ("fp32", "fp16")
 PIPELINE_COSTS = ("counted", "measured")
+MAX_TIMEOUT_S = 3600.0  # the longest a collective step may wait (`timeout_s`, a manifest's)
 AUTO_LR_EF_SGD = 0.1  # lr 0 (auto) under group-top-k sync: plain EF-SGD, no momentum
 AUTO_LR = 0.025  # lr 0 (auto) otherwise: momentum SGD
 TASK_REF = re.compile(r"[A-Za-z_][\w.-]*(:[A-Za-z_]\w*)?")
@@ -191,7 +192,7 @@ class JobSpec:
         _check_float(self, "staleness_power", 0.0, 10.0)
         _check_float(self, "correction", 0.0, 10.0)
         _check_float(self, "target_accuracy", 0.0, 1.0)
-        _check_float(self, "timeout_s", 0.01, 3600.0)
+        _check_float(self, "timeout_s", 0.01, MAX_TIMEOUT_S)
         _check_int(self, "checkpoint_every", 1, 10**6)
         _check_int(self, "resync_every", 1, 10**6)
         _check_int(self, "bucket_kb", 0, 10**6)

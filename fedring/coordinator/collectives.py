@@ -42,9 +42,9 @@ the head's rows (``compute_s``) when it is checked. The epoch's codec goes into 
 manifests (`codec`) and each row (``codec``).
 
 Each step waits at most the job's ``timeout_s``. Where an epoch's plan has a step
-predicted past it (`choose.longest_wait`: the epoch's first payloads over the members'
-measured links), the epoch's manifests carry a longer deadline (``timeout_s``,
-`step_timeout_s`), and the coordinator's own stall limit grows with it.
+predicted within `DEADLINE_MARGIN` of it (`choose.longest_wait`: the epoch's first
+payloads over the members' measured links), the epoch's manifests carry a longer
+deadline (``timeout_s``, `step_timeout_s`), and the coordinator's stall limit grows too.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from fedring.build import needs_centre
 from fedring.choose import choose_plan, choosing, codec_choosable, longest_wait, to_target
 from fedring.collective.cost import Choice, Probe, codec_of, steps
 from fedring.compression.schedule import DGC_STAGES
-from fedring.config import JobSpec
+from fedring.config import MAX_TIMEOUT_S, JobSpec
 from fedring.coordinator.membership import Fleet
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,6 @@ TRY_WITHIN = 1.25  # try a collective predicted within this factor of the measur
 # the ring's six steps as free beside fan-out's one.
 HOP_PRIOR_S = 1e-3
 DEADLINE_MARGIN = 1.5  # a late plan's step deadline over its predicted longest step
-MAX_STEP_TIMEOUT_S = 3600.0  # the most a step may wait (`JobSpec.timeout_s`'s bound)
 
 
 @dataclass
@@ -153,13 +152,13 @@ class CollectivePlans:
                   numel: int, start: int) -> float:  # fmt: skip
         """The epoch's step deadline where the job's ``timeout_s`` is too short for its
         plan, else 0 (the job's own): `DEADLINE_MARGIN` x the plan's longest step
-        (`choose.longest_wait`), at most `MAX_STEP_TIMEOUT_S`, where that is longer than
+        (`choose.longest_wait`), at most `MAX_TIMEOUT_S`, where that is longer than
         the job's. With the job's deadline its members would time out and the ring
         re-form for ever (8 members of a hub at 1 Mbit/s with the 1 M-parameter MLP: the
         warm-up's payloads take two minutes at the hub, `docs/lab.md`), or run with no
         margin (the same fan-out: rounds of 58 s measured)."""
         wait = longest_wait(spec, numel, probes, plan, start)
-        longer = min(float(math.ceil(DEADLINE_MARGIN * wait)), MAX_STEP_TIMEOUT_S)
+        longer = min(float(math.ceil(DEADLINE_MARGIN * wait)), MAX_TIMEOUT_S)
         if longer <= spec.timeout_s:
             return 0.0
         if plan not in self.late_plans:  # once a plan: every re-formed ring would say it again

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from fedring.collective.fanout import COLLECTIVES
+from fedring.config import MAX_TIMEOUT_S
 from fedring.edge_agent.worker import JobRefused, Segment
 from fedring.transport import topics
 
@@ -63,15 +64,12 @@ def codec(doc: dict[str, Any]) -> str:
     return str(value)
 
 
-MAX_STEP_TIMEOUT_S = 3600.0  # a step's longest deadline (`JobSpec.timeout_s`'s bound)
-
-
 def step_timeout(doc: dict[str, Any]) -> float:
     """Each step's deadline where the coordinator found the job's ``timeout_s`` too short
     for this segment's plan (0: the job's own; it never shortens it)."""
     value = doc.get("timeout_s", 0.0)
     if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
-            or not 0.0 <= value <= MAX_STEP_TIMEOUT_S):  # fmt: skip
+            or not 0.0 <= value <= MAX_TIMEOUT_S):  # fmt: skip
         raise JobRefused(f"manifest field 'timeout_s'={value!r} must be a number of seconds "
-                         f"in [0, {MAX_STEP_TIMEOUT_S:g}]")  # fmt: skip
+                         f"in [0, {MAX_TIMEOUT_S:g}]")  # fmt: skip
     return float(value)

@@ -13,8 +13,8 @@ import pytest
 
 from fedring.choose import longest_wait, workload
 from fedring.collective.cost import Probe, predict, steps
-from fedring.config import JobSpec
-from fedring.coordinator.collectives import MAX_STEP_TIMEOUT_S, CollectivePlans
+from fedring.config import MAX_TIMEOUT_S, JobSpec
+from fedring.coordinator.collectives import CollectivePlans
 from fedring.coordinator.membership import Fleet
 from fedring.edge_agent.manifest import read_segment
 from fedring.edge_agent.worker import JobRefused
@@ -83,7 +83,7 @@ def test_the_longer_deadline_is_bounded() -> None:
     plans = CollectivePlans()
     plans.plan(spec(collective="hub"), 0, MEMBERS, Fleet(hellos={a: dict(crawl) for a in MEMBERS}),
                NUMEL, 0)  # fmt: skip
-    assert plans.step_timeout_s == MAX_STEP_TIMEOUT_S
+    assert plans.step_timeout_s == MAX_TIMEOUT_S
 
 
 def _manifests(timeout_s: float) -> dict[str, dict[str, object]]:
@@ -107,7 +107,7 @@ def test_the_manifest_carries_the_longer_deadline_and_the_agent_checks_it() -> N
     assert read_segment(_manifests(190.0)["a1"], "a1").timeout_s == 190.0
     plain = _manifests(0.0)["a1"]
     assert "timeout_s" not in plain and read_segment(plain, "a1").timeout_s == 0.0
-    for bad in (-1.0, math.nan, math.inf, MAX_STEP_TIMEOUT_S + 1, True, "90"):
+    for bad in (-1.0, math.nan, math.inf, MAX_TIMEOUT_S + 1, True, "90"):
         doc = {**plain, "timeout_s": bad}
         with pytest.raises(JobRefused, match="manifest field 'timeout_s'"):
             read_segment(doc, "a1")
