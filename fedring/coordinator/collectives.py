@@ -89,6 +89,7 @@ class _Planned:
     compute: list[float] = field(default_factory=list)  # measured compute seconds a round
     compute_s: float = 0.0  # the round's compute the plan assumed (0: unknown)
     checked: bool = False
+    step_timeout_s: float = 0.0  # its steps' deadline where the job's was too short
 
 
 def _round_compute(spec: JobSpec, fleet: Fleet, members: list[str]) -> float:
@@ -146,6 +147,7 @@ class CollectivePlans:
         log.info("epoch %d: collective %s (%s; predicted all-reduce %s)", epoch,
                  choice.algorithm, spec.collective, predicted)  # fmt: skip
         self.step_timeout_s = self._deadline(spec, epoch, choice.algorithm, probes, numel, start)
+        self.epochs[-1].step_timeout_s = self.step_timeout_s
         return choice.collective
 
     def _deadline(self, spec: JobSpec, epoch: int, plan: str, probes: list[Probe],
@@ -315,6 +317,7 @@ class CollectivePlans:
                 "measured_allreduce_s": (round(statistics.median(planned.comm), 6)
                                          if planned.comm else None),
                 "hop_s": round(planned.hop_s, 6),
+                **({"step_timeout_s": planned.step_timeout_s} if planned.step_timeout_s else {}),
             })  # fmt: skip
         return out
 

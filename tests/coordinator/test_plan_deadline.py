@@ -65,6 +65,9 @@ def test_a_hub_slower_than_the_step_deadline_gets_a_longer_one_and_a_warning_onc
     # past the warm-up the target's payloads fit the job's own deadline again
     plans.plan(job, 2, MEMBERS, fleet, NUMEL, 200)
     assert plans.step_timeout_s == 0.0
+    # the job's summary says which epochs waited longer
+    epochs = plans.summary(job, {}, fleet)
+    assert [e.get("step_timeout_s") for e in epochs] == [math.ceil(1.5 * wait)] * 2 + [None]
 
 
 def test_a_plan_within_the_deadline_keeps_the_jobs(caplog: pytest.LogCaptureFixture) -> None:
