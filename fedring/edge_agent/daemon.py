@@ -397,8 +397,10 @@ class AgentDaemon:
         self.running = run
         self._send(seg.job, "ack", {"epoch": seg.epoch, "start_round": seg.start_round,
                                     "step_s": worker.step_s, "numel": worker.numel})  # fmt: skip
-        log.info("%s: epoch %d, rank %d of %d, from round %d", self.me, seg.epoch,
-                 seg.members.index(self.me), len(seg.members), seg.start_round)  # fmt: skip
+        longer = f", steps wait up to {seg.timeout_s:g} s" if seg.timeout_s else ""
+        log.info("%s: epoch %d, rank %d of %d, from round %d%s", self.me, seg.epoch,
+                 seg.members.index(self.me), len(seg.members), seg.start_round,
+                 longer)  # fmt: skip
         run.thread.start()
 
     def _watch(self, members: list[str]) -> None:
