@@ -12,12 +12,14 @@ milliseconds.
   it, so an upgrade makes a new file rather than reading old data.
 - **Trust:** read with ``allow_pickle=False``, and only used if its arrays match the
   SHA-256 digest stored beside them and pass the caller's check (names, dtypes,
-  shapes, ranges). Anything else (a truncated
-  write, another program's file, a changed array) is logged, generated again and
-  replaced. A file is written under a temporary name and renamed into place, so
+  shapes, ranges). Anything else (a truncated write, another program's file, a
+  changed array) is logged, generated again and replaced. The digest finds damage,
+  not a forgery: whoever can write the directory chooses the training data, so keep it
+  the agent's own (the default, or the unit's ``/var/lib/fedring/cache``), never a
+  shared one. A file is written under a temporary name and renamed into place, so
   processes starting together never read half a file.
 - **Nothing lost:** a directory that cannot be written to leaves the dataset generated
-  in memory, as before, with one warning.
+  in memory, as before, with a warning.
 
     >>> import os, tempfile
     >>> os.environ["FEDRING_CACHE_DIR"] = tempfile.mkdtemp()
