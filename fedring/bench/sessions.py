@@ -13,16 +13,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
+from fedring.transport.mosquitto import free_port
 
-def free_port() -> int:
-    """A TCP port that was free on this host a moment ago (the caller binds it soon)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["free_port", "session_members", "stop_session", "tree_sessions"]
 
 
 def session_members(sid: int) -> list[int]:

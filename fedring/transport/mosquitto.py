@@ -32,6 +32,7 @@ class MosquittoMissing(RuntimeError):
 
 
 def free_port() -> int:
+    """A TCP port that was free on this host a moment ago (the caller binds it soon)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -142,23 +142,11 @@ def test_auto_is_a_valid_collective_anywhere_and_never_reaches_a_group() -> None
 
 
 def test_the_manifest_names_the_planned_collective_and_its_contacts() -> None:
-    import os
-
-    import torch
-
-    from fedring.build import task_of
-    from fedring.coordinator.checkpoint import Checkpoint
     from fedring.coordinator.manifest import segment_docs
-    from fedring.engine.plan import plan
+    from tests.coordinator.checkpoints import first_checkpoint
 
-    spec = JobSpec.from_mapping({"agents": 4, "collective": "auto"})
-    p = plan(task_of(spec), agents=4, sharding="iid", seed=0)
     members = [f"a{i}" for i in range(4)]
-    shards = {m: i for i, m in enumerate(members)}
-    ck = Checkpoint(job="j", key=os.urandom(32), spec=spec.resolved(),
-                    shard_manifest=p.manifest.to_dict(), shards=shards,
-                    model_sha256=p.model_sha256, epoch=0, round=0,
-                    params=torch.zeros(1))  # fmt: skip
+    ck = first_checkpoint(JobSpec.from_mapping({"agents": 4, "collective": "auto"}), members)
     planned = segment_docs(ck, members, 0, 0, 0, collective="fanout")
     assert {d["collective"] for d in planned.values()} == {"fanout"}
     assert all(len(d["peers"]) == 4 for d in planned.values())  # every member hears all

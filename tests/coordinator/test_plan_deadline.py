@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import pytest
 
@@ -18,6 +17,7 @@ from fedring.coordinator.collectives import CollectivePlans
 from fedring.coordinator.membership import Fleet
 from fedring.edge_agent.manifest import read_segment
 from fedring.edge_agent.worker import JobRefused
+from tests.coordinator.checkpoints import first_checkpoint
 
 MEMBERS = [f"a{i}" for i in range(8)]
 NUMEL = 1_126_410  # the digits MLP 1024x1024
@@ -90,19 +90,9 @@ def test_the_longer_deadline_is_bounded() -> None:
 
 
 def _manifests(timeout_s: float) -> dict[str, dict[str, object]]:
-    import torch
-
-    from fedring.build import task_of
-    from fedring.coordinator.checkpoint import Checkpoint
     from fedring.coordinator.manifest import segment_docs
-    from fedring.engine.plan import plan
 
-    job = JobSpec.from_mapping({"agents": 2})
-    p = plan(task_of(job), agents=2, sharding="iid", seed=0)
-    ck = Checkpoint(job="j", key=os.urandom(32), spec=job.resolved(),
-                    shard_manifest=p.manifest.to_dict(), shards={"a0": 0, "a1": 1},
-                    model_sha256=p.model_sha256, epoch=0, round=0,
-                    params=torch.zeros(1))  # fmt: skip
+    ck = first_checkpoint(JobSpec.from_mapping({"agents": 2}), ["a0", "a1"])
     return segment_docs(ck, ["a0", "a1"], 0, 0, 0, collective="hub", timeout_s=timeout_s)
 
 
