@@ -9,7 +9,8 @@ milliseconds.
 - **Where:** ``$FEDRING_CACHE_DIR``, else ``$XDG_CACHE_HOME/fedring``, else
   ``~/.cache/fedring``. ``FEDRING_CACHE_DIR=off`` keeps nothing.
 - **Which:** the file's name holds a key of the versions of the packages that generated
-  it, so an upgrade makes a new file rather than reading old data.
+  it and of the caller's own recipe, so an upgrade or a changed recipe makes a new file
+  rather than reading old data.
 - **Trust:** read with ``allow_pickle=False``, and only used if its arrays match the
   SHA-256 digest stored beside them and pass the caller's check (names, dtypes,
   shapes, ranges). Anything else (a truncated write, another program's file, a

@@ -36,6 +36,9 @@ SYNTHETIC_DEFAULTS = (20000, 64, 10)  # N samples, D features, C classes
 _Pair = tuple[np.ndarray, np.ndarray]  # (x, y)
 _DIGITS_CSV = ("datasets", "data", "digits.csv.gz")  # in the sklearn package
 _MNIST1D_FIELDS = ("x_train", "y_train", "x_test", "y_test")
+# the cache key's version of `_mnist1d_generated`'s recipe (the standardization, the
+# shapes): raise it with any change there, or processes would read the old arrays
+_MNIST1D_RECIPE = 1
 _SYNTHETIC_SEPARATION = 3.0  # mean spread * sqrt(D): nearest-mean accuracy ~90% at the defaults
 
 
@@ -168,7 +171,8 @@ def _mnist1d_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     of CPU with its imports), then read from the dataset cache (`data_cache`), once per
     process."""
     try:
-        key = "-".join(f"{p}{metadata.version(p)}" for p in ("mnist1d", "numpy", "scipy"))
+        key = "-".join([f"r{_MNIST1D_RECIPE}",
+                        *(f"{p}{metadata.version(p)}" for p in ("mnist1d", "numpy", "scipy"))])
     except metadata.PackageNotFoundError:  # no versions to key a file by (or no mnist1d:
         arrays = _mnist1d_generated()  # this raises the error naming the extra)
     else:

@@ -141,7 +141,7 @@ def test_mnist1d_read_back_is_what_was_generated(
     datasets._mnist1d_arrays.cache_clear()
     try:
         generated = datasets._mnist1d_arrays()
-        assert len(list(folder.glob("mnist1d-mnist1d*-numpy*-scipy*.npz"))) == 1
+        assert len(list(folder.glob("mnist1d-r1-mnist1d*-numpy*-scipy*.npz"))) == 1
         datasets._mnist1d_arrays.cache_clear()
         monkeypatch.setattr(datasets, "_mnist1d_generated", lambda: pytest.fail("generated"))
         read = datasets._mnist1d_arrays()
@@ -185,3 +185,21 @@ def test_no_pickle_is_read(folder: Path) -> None:
     folder.mkdir(parents=True)
     (folder / "toy-v1.npz").write_bytes(pickle.dumps({"x": np.ones(3)}))
     assert _same(cached("toy", "v1", _Maker()), _arrays())
+
+
+def test_a_new_mnist1d_recipe_does_not_read_the_old_arrays(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    datasets._mnist1d_arrays.cache_clear()
+    try:
+        old = dict(zip(datasets._MNIST1D_FIELDS, datasets._mnist1d_arrays(), strict=True))
+        made = []
+        changed = {**old, "x_train": old["x_train"] * 2.0}  # as if standardized otherwise
+        monkeypatch.setattr(datasets, "_mnist1d_generated", lambda: made.append(1) or changed)
+        monkeypatch.setattr(datasets, "_MNIST1D_RECIPE", 2)
+        datasets._mnist1d_arrays.cache_clear()
+        new = datasets._mnist1d_arrays()
+    finally:
+        datasets._mnist1d_arrays.cache_clear()
+    assert made == [1] and np.array_equal(new[0], changed["x_train"])
+    assert len(list(folder.glob("mnist1d-r*.npz"))) == 2
