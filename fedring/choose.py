@@ -65,7 +65,7 @@ from fedring.collective.cost import (
 )
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.policy import FLOOR
-from fedring.compression.schedule import DensitySchedule
+from fedring.compression.schedule import DGC_STAGES, DensitySchedule
 from fedring.compression.values import BYTES_PER_VALUE, float_wire
 from fedring.config import JobSpec
 
@@ -191,6 +191,27 @@ def sent_densities(spec: JobSpec, start: int, rounds: int) -> Counter[float]:
     if schedule is None:
         return Counter({float(spec.density): end - start})
     return Counter(schedule.density(r) for r in range(start, end))
+
+
+def warmup_stage(spec: JobSpec, start: int) -> tuple[JobSpec, int] | None:
+    """Round `start`'s stage of the density warm-up, where it ends before the job does:
+    the job as that stage sends it (the stage's density, no warm-up) and the round the
+    stage ends at. None past the warm-up, without one, or in a stage the job ends in.
+
+    The coordinator plans each such stage by itself (`coordinator.collectives`): its
+    payloads are 25, 6.25 and 1.56x the target's at 1%, and fan-out's downlink carries
+    N-1 of them where the ring's carries 2(N-1)/N, so the plan of the first stage is
+    often not the plan of the rest (N = 8, 1 Mbit/s, the MNIST-1D CNN: the ring took
+    1.3 s for the first 10 rounds, fan-out 2.8; fan-out was faster from round 10 on).
+    """
+    every = spec.density_warmup if spec.compression == "group-topk" else 0
+    active = [d for d in DGC_STAGES if d > float(spec.density)]
+    if not every or start < 0 or start >= every * len(active):
+        return None
+    end = (start // every + 1) * every
+    if end >= spec.rounds:
+        return None
+    return spec.replace(density=active[start // every], density_warmup=0), end
 
 
 def longest_wait(spec: JobSpec, numel: int, probes: list[Probe], plan: str, start: int) -> float:

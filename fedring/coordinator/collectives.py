@@ -11,10 +11,16 @@ for its checkpoint: a round trip, the members' slices up, the coordinator's save
 measured round (the median of the head's round-to-round wall time, past the density
 warm-up when the epoch runs past it: the model predicts the target density's payload).
 
-A plan holds until that check. Where the density warm-up falls before it (a job's
-first epoch), the plan is chosen by each candidate's mean all-reduce over those rounds
-(`choose.horizon_seconds`); until the job has measured its own, each broker step
-costs `HOP_PRIOR_S` beyond the probes.
+In the density warm-up each stage has a plan of its own (`choose.warmup_stage`): its
+payloads are 25, 6.25 and 1.56x the target's, so the ring that is fastest for the
+first can be slower than fan-out for the rest. The plan is chosen for the stage's
+payloads and rounds factor and chosen again where the stage ends: the same plan goes
+on with the next stage's predictions, another re-forms the ring (a re-plan like the
+ones below; the summary's epoch says its ``stage_density``). Past the warm-up a plan
+holds until that check; where a job ends in a warm-up stage, the plan is chosen by
+each candidate's mean all-reduce over the rounds left (`choose.horizon_seconds`).
+Until the job has measured its own, each broker step costs `HOP_PRIOR_S` beyond the
+probes.
 
 The model is a prediction; ``auto`` checks it against the job. After
 `CALIBRATION_ROUNDS` of the head's rows past the warm-up it takes the median measured
@@ -58,7 +64,14 @@ from typing import Any
 
 from fedring.aggregation.rules import Aggregation
 from fedring.build import needs_centre
-from fedring.choose import choose_plan, choosing, codec_choosable, longest_wait, to_target
+from fedring.choose import (
+    choose_plan,
+    choosing,
+    codec_choosable,
+    longest_wait,
+    to_target,
+    warmup_stage,
+)
 from fedring.collective.cost import Choice, Probe, codec_of, steps
 from fedring.compression.schedule import DGC_STAGES
 from fedring.config import MAX_TIMEOUT_S, JobSpec
@@ -90,6 +103,8 @@ class _Planned:
     compute_s: float = 0.0  # the round's compute the plan assumed (0: unknown)
     checked: bool = False
     step_timeout_s: float = 0.0  # its steps' deadline where the job's was too short
+    until: int = 0  # the round its warm-up stage ends, where the plan is chosen again; 0: none
+    density: float = 0.0  # the warm-up stage's density its choice was made for; 0: the job's
 
 
 def _round_compute(spec: JobSpec, fleet: Fleet, members: list[str]) -> float:
@@ -121,34 +136,52 @@ class CollectivePlans:
         self.codecs = False  # compression "auto": the plans choose the codec too
         self.late_plans: set[str] = set()  # plans whose steps outlast the job's deadline
         self.step_timeout_s = 0.0  # the current epoch's step deadline; 0: the job's
+        self.head_round = 0  # the head's newest row: the rounds the job has run
 
     def plan(self, spec: JobSpec, epoch: int, members: list[str], fleet: Fleet, numel: int,
              start: int) -> str:  # fmt: skip
         """The collective of `members` from round `start` (logged and kept)."""
         probes = [replace(fleet.cost_probe(a), hop_s=self.hop_s) for a in members]
         compute = _round_compute(spec, fleet, members)
-        # the rounds this plan holds before `replan` first checks it (`observe`)
-        horizon = max(warmup_rounds(spec), start + 2) + CALIBRATION_ROUNDS + 1 - start
         spec = spec.replace(agents=len(members))  # the rounds factor grows with the ring
-        choice = choose_plan(spec, numel, probes, compute, start, horizon)
+        choice, until, density = self._choose(spec, members, probes, numel, compute, start)
+        same = bool(self.epochs) and self.epochs[-1].members == members
+        if self.pending in choice.predicted_s and same:
+            choice = replace(choice, algorithm=self.pending)  # a re-plan's: trial, stage or best
         self.codecs = codec_choosable(spec)
-        if choosing(spec):
-            expected = self._expected(members, choice)
-            time = {a: to_target(spec, a, v, compute) for a, v in expected.items()}
-            best = min(time, key=time.__getitem__)  # a tie: the first listed
-            if self.pending in expected and self.epochs and self.epochs[-1].members == members:
-                best = self.pending  # a re-plan's trial, or the best measured after trials
-            choice = Choice(best, choice.predicted_s, choice.horizon_s)
         self.pending = ""
         self.epochs = [p for p in self.epochs if p.epoch != epoch]
         self.epochs.append(_Planned(epoch, list(members), start, choice, numel, probes,
-                                    self.hop_s, compute_s=compute))  # fmt: skip
+                                    self.hop_s, compute_s=compute, until=until,
+                                    density=density))  # fmt: skip
         predicted = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in choice.predicted_s.items())
-        log.info("epoch %d: collective %s (%s; predicted all-reduce %s)", epoch,
-                 choice.algorithm, spec.collective, predicted)  # fmt: skip
+        log.info("epoch %d: collective %s (%s; predicted all-reduce %s%s)", epoch,
+                 choice.algorithm, spec.collective, predicted,
+                 f"; the warm-up stage to round {until}" if until else "")  # fmt: skip
         self.step_timeout_s = self._deadline(spec, epoch, choice.algorithm, probes, numel, start)
         self.epochs[-1].step_timeout_s = self.step_timeout_s
         return choice.collective
+
+    def _choose(self, spec: JobSpec, members: list[str], probes: list[Probe], numel: int,
+                compute: float, start: int) -> tuple[Choice, int, float]:  # fmt: skip
+        """The plan of `members` from round `start`, the round it is chosen again (0:
+        none) and the warm-up stage's density it was chosen for (0: the job's). In a
+        stage of the density warm-up (`choose.warmup_stage`) it is chosen for that stage
+        alone: its payloads, its rounds factor, and chosen again where the stage ends
+        (`replan`). Past the warm-up it holds until `replan` first checks it
+        (`observe`), chosen by its mean over those rounds where a short job's last stage
+        falls in them."""
+        stage = warmup_stage(spec, start) if choosing(spec) else None
+        if stage is not None:
+            basis, until = stage
+            return choose_plan(basis, numel, probes, compute), until, float(basis.density)
+        horizon = max(warmup_rounds(spec), start + 2) + CALIBRATION_ROUNDS + 1 - start
+        choice = choose_plan(spec, numel, probes, compute, start, horizon)
+        if choosing(spec):
+            expected = self._expected(members, choice)
+            time = {a: to_target(spec, a, v, compute) for a, v in expected.items()}
+            choice = replace(choice, algorithm=min(time, key=time.__getitem__))  # a tie: first
+        return choice, 0, 0.0
 
     def _deadline(self, spec: JobSpec, epoch: int, plan: str, probes: list[Probe],
                   numel: int, start: int) -> float:  # fmt: skip
@@ -181,6 +214,7 @@ class CollectivePlans:
         """Keep the head's measured all-reduce of round `rnd` (past the warm-up)."""
         if not self.epochs or not choosing(spec):
             return
+        self.head_round = max(self.head_round, rnd)
         planned, comm = self.epochs[-1], row.get("comm_s")
         # past a new ring's start, and past the density warm-up unless the plan sends dense
         warm = 0 if codec_of(planned.choice.algorithm) == "dense" else warmup_rounds(spec)
@@ -194,6 +228,8 @@ class CollectivePlans:
 
     def replan(self, spec: JobSpec) -> str:
         """Why the job should re-form with another collective now, or "" (`observe`)."""
+        if self.epochs and self.epochs[-1].until and self.head_round >= self.epochs[-1].until:
+            return self._next_stage(spec, self.epochs[-1])
         if not self.epochs or len(self.epochs[-1].comm) < CALIBRATION_ROUNDS:
             return ""
         planned = self.epochs[-1]
@@ -235,6 +271,26 @@ class CollectivePlans:
         self.pending = best
         return (f"back to {best}: {seen[best] * 1e3:.1f} ms an all-reduce measured, "
                 f"{chosen} {measured * 1e3:.1f}")  # fmt: skip
+
+    def _next_stage(self, spec: JobSpec, planned: _Planned) -> str:
+        """The plan for the round the job has reached, its warm-up stage over (`_choose`):
+        the same plan goes on with that stage's predictions (the next check compares
+        them with the measured all-reduce); another re-forms the ring."""
+        start, chosen = self.head_round, planned.choice.algorithm
+        probes = [replace(p, hop_s=self.hop_s) for p in planned.probes]
+        spec = spec.replace(agents=len(planned.members))
+        choice, until, density = self._choose(spec, planned.members, probes, planned.numel,
+                                              planned.compute_s, start)  # fmt: skip
+        if choice.algorithm == chosen:
+            planned.choice, planned.until, planned.density = choice, until, density
+            planned.probes, planned.hop_s = probes, self.hop_s
+            return ""
+        planned.until = 0  # asked once; the re-formed epoch plans its own stage
+        self.pending = choice.algorithm
+        at = f"density {density:g}" if density else "the target density"
+        return (f"the warm-up stage ended at round {start}: at {at} {self.pending} is "
+                f"predicted at {choice.expected(self.pending) * 1e3:.1f} ms an all-reduce, "
+                f"{chosen} at {choice.expected(chosen) * 1e3:.1f}")  # fmt: skip
 
     def _again(self, spec: JobSpec, planned: _Planned, chosen: str) -> dict[str, float]:
         """Each plan re-predicted with the learned per-step cost. A dense plan measured
@@ -297,7 +353,8 @@ class CollectivePlans:
                 choice["codec"] = codec_of(planned.choice.algorithm, spec.compression)
                 # what the plan compared: each plan's round, weighed by its extra rounds
                 choice["compute_s"] = round(planned.compute_s, 6)
-                members = spec.replace(agents=len(planned.members))
+                members = spec.replace(agents=len(planned.members),
+                                       density=planned.density or spec.density)  # fmt: skip
                 choice["to_target_s"] = {
                     a: round(to_target(members, a, v, planned.compute_s), 6)
                     for a, v in planned.choice.predicted_s.items()
@@ -308,9 +365,10 @@ class CollectivePlans:
                 choice = {"chosen": centre, "predicted_s": {},
                           "why": f"a {centre} job: every update goes through the coordinator's "
                                  "centre; no collective runs between the agents"}  # fmt: skip
+            stage = {"stage_density": planned.density} if planned.density else {}
             out.append({
                 "epoch": planned.epoch, "members": len(planned.members),
-                "from_round": planned.start_round, **choice,
+                "from_round": planned.start_round, **choice, **stage,
                 "predicted_round_s": predicted,
                 "measured_round_s": round(statistics.median(gaps), 6) if gaps else None,
                 "measured_from_round": first,

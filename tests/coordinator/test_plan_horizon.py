@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedring.choose import choose_plan, horizon_seconds, sent_densities
+from fedring.choose import choose_plan, horizon_seconds, sent_densities, warmup_stage
 from fedring.collective.cost import Probe, steps
 from fedring.config import JobSpec
 from fedring.coordinator.collectives import (
@@ -85,3 +85,93 @@ def test_the_first_plan_pays_a_prior_step_cost_and_the_job_learns_beyond_it() ->
         quick.observe(job, r, {"round": r, "comm_s": 1e-6})
         quick.replan(job)
     assert quick.hop_s == 0.0
+
+
+# eight members at 1 Mbit/s each way near their broker, the MNIST-1D CNN (the edge lab's
+# N = 8, 1 Mbit/s, 0 ms cell: `docs/lab.md`, sitting 23)
+EIGHT = [f"a{i}" for i in range(8)]
+CNN = 5210
+SLOW = {"rtt_s": 0.0005, "up_bps": 125_000.0, "down_bps": 125_000.0,
+        "encode_s": [2e-4, 1e-8], "decode_s": [5e-5, 2e-9]}  # fmt: skip
+
+
+def walk(plans: CollectivePlans, job: JobSpec, first: int, last: int) -> dict[int, str]:
+    """The head's rows `first`..`last` (no all-reduce measured): each re-plan said, by round."""
+    said = {}
+    for r in range(first, last + 1):
+        plans.observe(job, r, {"round": r})
+        if why := plans.replan(job):
+            said[r] = why
+    return said
+
+
+def test_each_warm_up_stage_is_planned_by_itself_and_the_ring_re_forms_where_it_changes() -> None:
+    """The first stage's payloads (25% of the entries) make fan-out's downlink carry seven
+    of them: the ring goes first. From the third stage (1.56%) fan-out is predicted
+    faster, and the job re-forms to it there, not at its first check past the warm-up."""
+    job = JobSpec.from_mapping({"agents": 8, "dataset": "mnist1d", "model": "cnn",
+                                "collective": "auto", "density": 0.01, "density_warmup": 10,
+                                "rounds": 1000})  # fmt: skip
+    plans, fleet = CollectivePlans(), Fleet(hellos={a: dict(SLOW) for a in EIGHT})
+    assert plans.plan(job, 0, EIGHT, fleet, CNN, 0) == "ring"
+    first = plans.epochs[0]
+    assert first.until == 10 and not first.choice.horizon_s
+    stage = warmup_stage(job, 0)
+    assert stage is not None and stage[0].density == 0.25
+    assert first.choice.predicted_s == choose_plan(stage[0], CNN, first.probes).predicted_s
+    assert walk(plans, job, 1, 9) == {}
+    # the second stage keeps the ring: no re-form; its predictions are the new stage's
+    assert walk(plans, job, 10, 19) == {}
+    assert first.until == 20 and first.choice.predicted_s["ring"] < 0.5 * (
+        choose_plan(stage[0], CNN, first.probes).predicted_s["ring"])  # fmt: skip
+    said = walk(plans, job, 20, 20)
+    assert said[20].startswith("the warm-up stage ended at round 20: at density 0.015625 "
+                               "fanout is predicted at"), said  # fmt: skip
+    # the halt reached the members a round later: the re-formed epoch runs fan-out
+    assert plans.plan(job, 1, EIGHT, fleet, CNN, 21) == "fanout"
+    assert plans.epochs[-1].until == 30
+    assert walk(plans, job, 21, 30) == {}  # the target density: fan-out still
+    past = plans.epochs[-1]
+    assert past.until == 0 and past.choice.algorithm == "fanout"
+    at_target = choose_plan(job, CNN, past.probes)
+    assert past.choice.predicted_s == at_target.predicted_s
+    assert [p.until for p in plans.epochs] == [0, 0]  # nothing left to ask
+
+
+def test_a_plan_kept_through_the_warm_up_is_checked_against_the_targets_prediction() -> None:
+    """The ring holds every stage of a ring of 4; the first check past the warm-up
+    compares the measured all-reduce with the target density's prediction, and learns
+    the step cost beyond it (not beyond the first stage's, 25x the bytes)."""
+    job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
+                                "collective": "auto", "density": 0.01, "density_warmup": 10,
+                                "rounds": 1000})  # fmt: skip
+    hello = {**SLOW, "down_bps": 60_000.0}  # `test_replan`'s: the ring first at every density
+    plans = CollectivePlans(hop_prior_s=0.0)  # (with the prior, fan-out from 1.56%)
+    fleet = Fleet(hellos={a: dict(hello) for a in MEMBERS})
+    assert plans.plan(job, 0, MEMBERS, fleet, CNN, 0) == "ring"
+    assert walk(plans, job, 1, 31) == {}
+    planned = plans.epochs[0]
+    assert planned.until == 0 and planned.choice.algorithm == "ring"
+    target = planned.choice.predicted_s["ring"]
+    assert target == choose_plan(job, CNN, planned.probes).predicted_s["ring"]
+    measured = target + steps("ring", 4) * 0.002
+    for r in range(32, 32 + CALIBRATION_ROUNDS):
+        plans.observe(job, r, {"round": r, "comm_s": measured})
+        plans.replan(job)
+    assert plans.hop_s == pytest.approx(0.002)
+
+
+def test_a_job_that_ends_in_a_stage_or_sends_no_warm_up_has_no_stage_to_plan() -> None:
+    job = spec(density=0.01, density_warmup=10, rounds=25)
+    assert warmup_stage(job, 0) == (job.replace(density=0.25, density_warmup=0), 10)
+    assert warmup_stage(job, 15) == (job.replace(density=0.0625, density_warmup=0), 20)
+    assert warmup_stage(job, 22) is None  # the job ends in the third stage
+    assert warmup_stage(spec(density=0.01, density_warmup=10), 30) is None  # past it
+    assert warmup_stage(spec(density=0.01, density_warmup=0), 0) is None
+    assert warmup_stage(spec(compression="none"), 0) is None
+    # a stage's own plan needs a choice: a fixed collective has no stages
+    plans = CollectivePlans()
+    fleet = Fleet(hellos={a: dict(HELLO) for a in MEMBERS})
+    plans.plan(spec(collective="ring", density=0.01, density_warmup=10), 0, MEMBERS, fleet,
+               NUMEL, 0)  # fmt: skip
+    assert plans.epochs[0].until == 0

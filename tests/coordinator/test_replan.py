@@ -28,9 +28,19 @@ def fleet() -> Fleet:
     return Fleet(hellos={a: dict(HELLO) for a in MEMBERS})
 
 
-def spec(collective: str = "auto") -> JobSpec:
+def spec(collective: str = "auto", warmup: int = 0) -> JobSpec:
+    """The job these tests check: no density warm-up unless asked, so the epoch planned
+    at round 0 is the one checked (each warm-up stage has its own plan:
+    `test_plan_horizon`)."""
     return JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
-                                 "collective": collective})  # fmt: skip
+                                 "collective": collective, "density": 0.01,
+                                 "density_warmup": warmup})  # fmt: skip
+
+
+def auto_codec() -> JobSpec:
+    return JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
+                                 "compression": "auto", "density": 0.01,
+                                 "density_warmup": 0})  # fmt: skip
 
 
 def feed(plans: CollectivePlans, job: JobSpec, first: int, comm_s: float, n: int) -> str:
@@ -126,7 +136,7 @@ def test_a_long_compute_makes_the_rounds_decide_and_fanout_is_tried_at_n8() -> N
 
 
 def test_warm_up_rounds_and_a_new_rings_first_rounds_are_not_measured() -> None:
-    job, plans = spec(), CollectivePlans(hop_prior_s=0.0)
+    job, plans = spec(warmup=10), CollectivePlans(hop_prior_s=0.0)
     warm = warmup_rounds(job)
     plans.plan(job, 0, MEMBERS, fleet(), NUMEL, 0)
     assert feed(plans, job, 1, 1.0, warm) == ""  # denser payloads: skipped
@@ -171,8 +181,7 @@ def test_compression_auto_tries_dense_when_group_topk_measures_slow_and_keeps_it
     measured far slower than predicted (its CPU under load), the dense ring comes within
     reach and is tried; measured faster, the job keeps it: the manifests say "dense",
     the rows and the summary name the codec."""
-    job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
-                                "compression": "auto"})  # fmt: skip
+    job = auto_codec()
     plans, f = CollectivePlans(hop_prior_s=0.0), fleet()
     assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring" and plans.codec() == ""
     predicted = plans.epochs[0].choice.predicted_s
@@ -192,8 +201,7 @@ def test_compression_auto_tries_dense_when_group_topk_measures_slow_and_keeps_it
 
 
 def test_compression_auto_goes_back_to_group_topk_when_dense_measures_slower() -> None:
-    job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
-                                "compression": "auto"})  # fmt: skip
+    job = auto_codec()
     plans, f = CollectivePlans(hop_prior_s=0.0), fleet()
     plans.plan(job, 0, MEMBERS, f, NUMEL, 0)
     predicted = plans.epochs[0].choice.predicted_s
@@ -218,8 +226,7 @@ def test_compression_auto_tries_dense_when_group_topk_cpu_may_explain_the_excess
     """Measured 4x its prediction, group-top-k's excess spread over the ring's steps
     would put the dense ring out of reach; but the excess may be group-top-k's own CPU,
     which dense does not pay: judged without it, dense is within reach and tried."""
-    job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
-                                "compression": "auto"})  # fmt: skip
+    job = auto_codec()
     # 20 Mbit/s both ways, group-top-k at 4e-7 s an entry (the loaded sandbox's codec_cost)
     hello = {**HELLO, "up_bps": 2.5e6, "down_bps": 2.5e6, "encode_s": [2e-4, 4e-7]}
     plans, f = CollectivePlans(hop_prior_s=0.0), Fleet(hellos={a: dict(hello) for a in MEMBERS})
@@ -237,8 +244,7 @@ def test_compression_auto_weighs_the_measured_compute_with_group_topks_extra_rou
     the head's rows say a round computes for 30 ms, and group-top-k needs more rounds to
     the target (`choose.rounds_factor`): the dense ring reaches it first and is tried.
     Once the members' acks report that step, the next plan starts dense."""
-    job = JobSpec.from_mapping({"agents": 4, "dataset": "mnist1d", "model": "cnn",
-                                "compression": "auto"})  # fmt: skip
+    job = auto_codec()
     hello = {**HELLO, "up_bps": 6.25e6, "down_bps": 6.25e6}  # 50 Mbit/s
     plans, f = CollectivePlans(hop_prior_s=0.0), Fleet(hellos={a: dict(hello) for a in MEMBERS})
     assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring" and plans.codec() == ""
