@@ -87,6 +87,16 @@ TRY_WITHIN = 1.25  # try a collective predicted within this factor of the measur
 # the ring's six steps as free beside fan-out's one.
 HOP_PRIOR_S = 1e-3
 DEADLINE_MARGIN = 1.5  # a late plan's step deadline over its predicted longest step
+# A re-formation's cost where a warm-up stage's plan changes: a halt and a manifest, about
+# four broker round trips and the members' restart (74 ms with one round measured over
+# a loopback broker, `docs/lab.md`)
+REFORM_S = 0.05
+REFORM_TRIPS = 4
+
+
+def reform_seconds(probes: list[Probe]) -> float:
+    """What re-forming the ring costs these members (`REFORM_S`, `REFORM_TRIPS`)."""
+    return REFORM_S + REFORM_TRIPS * max((p.rtt_s for p in probes), default=0.0)
 
 
 @dataclass
@@ -163,25 +173,54 @@ class CollectivePlans:
         return choice.collective
 
     def _choose(self, spec: JobSpec, members: list[str], probes: list[Probe], numel: int,
-                compute: float, start: int) -> tuple[Choice, int, float]:  # fmt: skip
+                compute: float, start: int, keep: str = "",
+                ) -> tuple[Choice, int, float]:  # fmt: skip
         """The plan of `members` from round `start`, the round it is chosen again (0:
-        none) and the warm-up stage's density it was chosen for (0: the job's). In a
-        stage of the density warm-up (`choose.warmup_stage`) it is chosen for that stage
-        alone: its payloads, its rounds factor, and chosen again where the stage ends
-        (`replan`). Past the warm-up it holds until `replan` first checks it
-        (`observe`), chosen by its mean over those rounds where a short job's last stage
-        falls in them."""
-        stage = warmup_stage(spec, start) if choosing(spec) else None
-        if stage is not None:
-            basis, until = stage
-            return choose_plan(basis, numel, probes, compute), until, float(basis.density)
+        none) and the warm-up stage's density it was chosen for (0: the job's).
+
+        In the density warm-up (`choose.warmup_stage`) each stage left and then the
+        target's rounds to the first check are phases: each plan's seconds in a phase are
+        its rounds there x its time a round (`choose.to_target`, at the phase's density),
+        and a change of plan between phases costs a re-formation (`reform_seconds`; from
+        `keep`, the plan running now, too). The plan of the first phase on the path of
+        fewest seconds is chosen, and chosen again where its stage ends (`replan`).
+        Past the warm-up the plan holds until `replan` first checks it (`observe`),
+        chosen by its mean over those rounds where a job ends in a warm-up stage."""
+        if not choosing(spec) or warmup_stage(spec, start) is None:
+            choice, times = self._held(spec, members, probes, numel, compute, start)
+            if choosing(spec):
+                choice = replace(choice, algorithm=min(times, key=times.__getitem__))  # tie: first
+            return choice, 0, 0.0
+        phases, at = [], start
+        while (stage := warmup_stage(spec, at)) is not None:
+            basis, end = stage
+            choice = choose_plan(basis, numel, probes, compute)
+            seconds = {a: (end - at) * to_target(basis, a, v, compute)
+                       for a, v in choice.predicted_s.items()}  # fmt: skip
+            phases.append((choice, seconds, end, float(basis.density)))
+            at = end
+        _, times = self._held(spec, members, probes, numel, compute, at)
+        held = max(warmup_rounds(spec), at + 2) + CALIBRATION_ROUNDS + 1 - at
+        reform = reform_seconds(probes)
+        ahead = {a: held * t for a, t in times.items()}  # the path's seconds from a phase on
+        for _, seconds, _, _ in reversed(phases):
+            ahead = {a: seconds[a] + min(ahead[b] + (0.0 if b == a else reform) for b in ahead)
+                     for a in seconds}  # fmt: skip
+        choice, _, until, density = phases[0]
+        order = list(choice.predicted_s)
+        total = {a: ahead[a] + (reform if keep and a != keep else 0.0) for a in order}
+        best = min(order, key=lambda a: (total[a], order.index(a)))
+        return replace(choice, algorithm=best), until, density
+
+    def _held(self, spec: JobSpec, members: list[str], probes: list[Probe], numel: int,
+              compute: float, start: int) -> tuple[Choice, dict[str, float]]:  # fmt: skip
+        """The plans from round `start` past the warm-up, and each one's time a round to
+        the target over the rounds it holds before its first check (measured on these
+        members where it ran, else predicted: over the horizon where it holds a stage)."""
         horizon = max(warmup_rounds(spec), start + 2) + CALIBRATION_ROUNDS + 1 - start
         choice = choose_plan(spec, numel, probes, compute, start, horizon)
-        if choosing(spec):
-            expected = self._expected(members, choice)
-            time = {a: to_target(spec, a, v, compute) for a, v in expected.items()}
-            choice = replace(choice, algorithm=min(time, key=time.__getitem__))  # a tie: first
-        return choice, 0, 0.0
+        expected = self._expected(members, choice)
+        return choice, {a: to_target(spec, a, v, compute) for a, v in expected.items()}
 
     def _deadline(self, spec: JobSpec, epoch: int, plan: str, probes: list[Probe],
                   numel: int, start: int) -> float:  # fmt: skip
@@ -280,7 +319,7 @@ class CollectivePlans:
         probes = [replace(p, hop_s=self.hop_s) for p in planned.probes]
         spec = spec.replace(agents=len(planned.members))
         choice, until, density = self._choose(spec, planned.members, probes, planned.numel,
-                                              planned.compute_s, start)  # fmt: skip
+                                              planned.compute_s, start, keep=chosen)  # fmt: skip
         if choice.algorithm == chosen:
             planned.choice, planned.until, planned.density = choice, until, density
             planned.probes, planned.hop_s = probes, self.hop_s

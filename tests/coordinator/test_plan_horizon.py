@@ -10,10 +10,12 @@ import pytest
 from fedring.choose import choose_plan, horizon_seconds, sent_densities, warmup_stage
 from fedring.collective.cost import Probe, steps
 from fedring.config import JobSpec
+from fedring.coordinator import collectives
 from fedring.coordinator.collectives import (
     CALIBRATION_ROUNDS,
     HOP_PRIOR_S,
     CollectivePlans,
+    reform_seconds,
     warmup_rounds,
 )
 from fedring.coordinator.membership import Fleet
@@ -136,6 +138,26 @@ def test_each_warm_up_stage_is_planned_by_itself_and_the_ring_re_forms_where_it_
     at_target = choose_plan(job, CNN, past.probes)
     assert past.choice.predicted_s == at_target.predicted_s
     assert [p.until for p in plans.epochs] == [0, 0]  # nothing left to ask
+
+
+def test_a_change_of_plan_must_save_more_than_re_forming_costs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same eight members, each re-formation priced at 100 s: one plan runs the
+    whole warm-up (no stage saves that much), and the walk through it re-forms nowhere."""
+    job = JobSpec.from_mapping({"agents": 8, "dataset": "mnist1d", "model": "cnn",
+                                "collective": "auto", "density": 0.01, "density_warmup": 10,
+                                "rounds": 1000})  # fmt: skip
+    fleet = Fleet(hellos={a: dict(SLOW) for a in EIGHT})
+    cheap = CollectivePlans()
+    cheap.plan(job, 0, EIGHT, fleet, CNN, 0)
+    assert walk(cheap, job, 1, 30)  # as above: the ring, then fan-out from round 20
+    monkeypatch.setattr(collectives, "REFORM_S", 100.0)
+    assert reform_seconds(cheap.epochs[0].probes) == pytest.approx(100.0 + 4 * SLOW["rtt_s"])
+    plans = CollectivePlans()
+    chosen = plans.plan(job, 0, EIGHT, fleet, CNN, 0)
+    assert walk(plans, job, 1, 31) == {}
+    assert plans.epochs[-1].choice.algorithm == chosen and len(plans.epochs) == 1
 
 
 def test_a_plan_kept_through_the_warm_up_is_checked_against_the_targets_prediction() -> None:
