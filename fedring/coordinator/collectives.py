@@ -16,7 +16,8 @@ payloads are 25, 6.25 and 1.56x the target's, so the ring that is fastest for th
 first can be slower than fan-out for the rest. The plan is chosen for the stage's
 payloads and rounds factor and chosen again where the stage ends: the same plan goes
 on with the next stage's predictions, another re-forms the ring (a re-plan like the
-ones below; the summary's epoch says its ``stage_density``). Past the warm-up a plan
+ones below; the summary's epoch says its ``stage_density``, and each first plan's
+seconds on its best path through the warm-up, ``path_s``). Past the warm-up a plan
 holds until that check; where a job ends in a warm-up stage, the plan is chosen by
 each candidate's mean all-reduce over the rounds left (`choose.horizon_seconds`).
 Until the job has measured its own, each broker step costs `HOP_PRIOR_S` beyond the
@@ -115,6 +116,18 @@ class _Planned:
     step_timeout_s: float = 0.0  # its steps' deadline where the job's was too short
     until: int = 0  # the round its warm-up stage ends, where the plan is chosen again; 0: none
     density: float = 0.0  # the warm-up stage's density its choice was made for; 0: the job's
+    # each first plan's seconds on its best path through the warm-up left (`_choose`)
+    path_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Pick:
+    """What `CollectivePlans._choose` decided (the fields of `_Planned` of those names)."""
+
+    choice: Choice
+    until: int = 0
+    density: float = 0.0
+    path_s: dict[str, float] = field(default_factory=dict)
 
 
 def _round_compute(spec: JobSpec, fleet: Fleet, members: list[str]) -> float:
@@ -154,7 +167,8 @@ class CollectivePlans:
         probes = [replace(fleet.cost_probe(a), hop_s=self.hop_s) for a in members]
         compute = _round_compute(spec, fleet, members)
         spec = spec.replace(agents=len(members))  # the rounds factor grows with the ring
-        choice, until, density = self._choose(spec, members, probes, numel, compute, start)
+        pick = self._choose(spec, members, probes, numel, compute, start)
+        choice, until = pick.choice, pick.until
         same = bool(self.epochs) and self.epochs[-1].members == members
         if self.pending in choice.predicted_s and same:
             choice = replace(choice, algorithm=self.pending)  # a re-plan's: trial, stage or best
@@ -163,7 +177,7 @@ class CollectivePlans:
         self.epochs = [p for p in self.epochs if p.epoch != epoch]
         self.epochs.append(_Planned(epoch, list(members), start, choice, numel, probes,
                                     self.hop_s, compute_s=compute, until=until,
-                                    density=density))  # fmt: skip
+                                    density=pick.density, path_s=pick.path_s))  # fmt: skip
         predicted = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in choice.predicted_s.items())
         log.info("epoch %d: collective %s (%s; predicted all-reduce %s%s)", epoch,
                  choice.algorithm, spec.collective, predicted,
@@ -174,7 +188,7 @@ class CollectivePlans:
 
     def _choose(self, spec: JobSpec, members: list[str], probes: list[Probe], numel: int,
                 compute: float, start: int, keep: str = "",
-                ) -> tuple[Choice, int, float]:  # fmt: skip
+                ) -> _Pick:  # fmt: skip
         """The plan of `members` from round `start`, the round it is chosen again (0:
         none) and the warm-up stage's density it was chosen for (0: the job's).
 
@@ -190,7 +204,7 @@ class CollectivePlans:
             choice, times = self._held(spec, members, probes, numel, compute, start)
             if choosing(spec):
                 choice = replace(choice, algorithm=min(times, key=times.__getitem__))  # tie: first
-            return choice, 0, 0.0
+            return _Pick(choice)
         phases, at = [], start
         while (stage := warmup_stage(spec, at)) is not None:
             basis, end = stage
@@ -210,7 +224,7 @@ class CollectivePlans:
         order = list(choice.predicted_s)
         total = {a: ahead[a] + (reform if keep and a != keep else 0.0) for a in order}
         best = min(order, key=lambda a: (total[a], order.index(a)))
-        return replace(choice, algorithm=best), until, density
+        return _Pick(replace(choice, algorithm=best), until, density, total)
 
     def _held(self, spec: JobSpec, members: list[str], probes: list[Probe], numel: int,
               compute: float, start: int) -> tuple[Choice, dict[str, float]]:  # fmt: skip
@@ -318,11 +332,12 @@ class CollectivePlans:
         start, chosen = self.head_round, planned.choice.algorithm
         probes = [replace(p, hop_s=self.hop_s) for p in planned.probes]
         spec = spec.replace(agents=len(planned.members))
-        choice, until, density = self._choose(spec, planned.members, probes, planned.numel,
-                                              planned.compute_s, start, keep=chosen)  # fmt: skip
+        pick = self._choose(spec, planned.members, probes, planned.numel, planned.compute_s,
+                            start, keep=chosen)  # fmt: skip
+        choice, density = pick.choice, pick.density
         if choice.algorithm == chosen:
-            planned.choice, planned.until, planned.density = choice, until, density
-            planned.probes, planned.hop_s = probes, self.hop_s
+            planned.choice, planned.until, planned.density = choice, pick.until, density
+            planned.probes, planned.hop_s, planned.path_s = probes, self.hop_s, pick.path_s
             return ""
         planned.until = 0  # asked once; the re-formed epoch plans its own stage
         self.pending = choice.algorithm
@@ -404,7 +419,9 @@ class CollectivePlans:
                 choice = {"chosen": centre, "predicted_s": {},
                           "why": f"a {centre} job: every update goes through the coordinator's "
                                  "centre; no collective runs between the agents"}  # fmt: skip
-            stage = {"stage_density": planned.density} if planned.density else {}
+            stage = ({"stage_density": planned.density,
+                      "path_s": {k: round(v, 6) for k, v in planned.path_s.items()}}
+                     if planned.density else {})  # fmt: skip
             out.append({
                 "epoch": planned.epoch, "members": len(planned.members),
                 "from_round": planned.start_round, **choice, **stage,

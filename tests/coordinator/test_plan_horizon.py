@@ -138,6 +138,10 @@ def test_each_warm_up_stage_is_planned_by_itself_and_the_ring_re_forms_where_it_
     at_target = choose_plan(job, CNN, past.probes)
     assert past.choice.predicted_s == at_target.predicted_s
     assert [p.until for p in plans.epochs] == [0, 0]  # nothing left to ask
+    ring, fan = plans.summary(job, {}, fleet)
+    assert ring["stage_density"] == 0.0625 and ring["chosen"] == "ring"
+    assert ring["path_s"]["ring"] == min(ring["path_s"].values())
+    assert "stage_density" not in fan and fan["chosen"] == "fanout"
 
 
 def test_a_change_of_plan_must_save_more_than_re_forming_costs(
