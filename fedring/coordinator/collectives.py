@@ -174,6 +174,7 @@ class CollectivePlans:
             choice = replace(choice, algorithm=self.pending)  # a re-plan's: trial, stage or best
         self.codecs = codec_choosable(spec)
         self.pending = ""
+        self.head_round = start  # a ring re-formed from a checkpoint goes back to its round
         self.epochs = [p for p in self.epochs if p.epoch != epoch]
         self.epochs.append(_Planned(epoch, list(members), start, choice, numel, probes,
                                     self.hop_s, compute_s=compute, until=until,

@@ -144,6 +144,23 @@ def test_each_warm_up_stage_is_planned_by_itself_and_the_ring_re_forms_where_it_
     assert "stage_density" not in fan and fan["chosen"] == "fanout"
 
 
+def test_a_ring_re_formed_from_an_earlier_checkpoint_plans_the_stage_it_runs_again() -> None:
+    """The head had reached round 25 when the ring broke; the new ring starts from the
+    checkpoint of round 5: its plan is the first stage's, chosen again at round 10, not
+    at once for the round the lost ring had reached."""
+    job = JobSpec.from_mapping({"agents": 8, "dataset": "mnist1d", "model": "cnn",
+                                "collective": "auto", "density": 0.01, "density_warmup": 10,
+                                "rounds": 1000})  # fmt: skip
+    plans, fleet = CollectivePlans(), Fleet(hellos={a: dict(SLOW) for a in EIGHT})
+    plans.plan(job, 0, EIGHT, fleet, CNN, 20)
+    plans.observe(job, 25, {"round": 25})
+    assert plans.plan(job, 1, EIGHT, fleet, CNN, 5) == "ring" and plans.epochs[-1].until == 10
+    assert plans.epochs[-1].density == 0.25
+    assert plans.replan(job) == "" and plans.epochs[-1].density == 0.25  # not yet
+    assert walk(plans, job, 6, 9) == {}
+    assert walk(plans, job, 10, 10) == {} and plans.epochs[-1].until == 20
+
+
 def test_a_change_of_plan_must_save_more_than_re_forming_costs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
