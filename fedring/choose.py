@@ -65,7 +65,7 @@ from fedring.collective.cost import (
 )
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.policy import FLOOR
-from fedring.compression.schedule import DGC_STAGES, DensitySchedule
+from fedring.compression.schedule import DensitySchedule
 from fedring.compression.values import BYTES_PER_VALUE, float_wire
 from fedring.config import JobSpec
 
@@ -205,13 +205,11 @@ def warmup_stage(spec: JobSpec, start: int) -> tuple[JobSpec, int] | None:
     1.3 s for the first 10 rounds, fan-out 2.8; fan-out was faster from round 10 on).
     """
     every = spec.density_warmup if spec.compression == "group-topk" else 0
-    active = [d for d in DGC_STAGES if d > float(spec.density)]
-    if not every or start < 0 or start >= every * len(active):
+    schedule = DensitySchedule(float(spec.density), steps_per_stage=every)
+    end = (start // every + 1) * every if every else 0
+    if not every or start < 0 or start >= schedule.warmup_steps or end >= spec.rounds:
         return None
-    end = (start // every + 1) * every
-    if end >= spec.rounds:
-        return None
-    return spec.replace(density=active[start // every], density_warmup=0), end
+    return spec.replace(density=schedule.density(start), density_warmup=0), end
 
 
 def longest_wait(spec: JobSpec, numel: int, probes: list[Probe], plan: str, start: int) -> float:

@@ -51,13 +51,20 @@ class DensitySchedule:
             return None
         return cls(target, steps_per_stage=warmup, rounds=rounds, flush=flush)
 
+    @property
+    def active(self) -> tuple[float, ...]:
+        """The warm-up's stages it sends: those above the target (the rest are skipped)."""
+        return tuple(d for d in self.stages if d > self.target)
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps of the warm-up: `steps_per_stage` for each `active` stage."""
+        return self.steps_per_stage * len(self.active)
+
     def density(self, step: int) -> float:
         """The density at `step` (0-based); stages below the target are skipped."""
         if self.flush and step >= self.rounds - self.flush:
             return 1.0
-        if self.steps_per_stage:
-            stage = step // self.steps_per_stage
-            active = [d for d in self.stages if d > self.target]
-            if stage < len(active):
-                return active[stage]
+        if self.steps_per_stage and step < self.warmup_steps:
+            return self.active[step // self.steps_per_stage]
         return self.target

@@ -74,7 +74,7 @@ from fedring.choose import (
     warmup_stage,
 )
 from fedring.collective.cost import Choice, Probe, codec_of, steps
-from fedring.compression.schedule import DGC_STAGES
+from fedring.compression.schedule import DensitySchedule
 from fedring.config import MAX_TIMEOUT_S, JobSpec
 from fedring.coordinator.membership import Fleet
 
@@ -141,7 +141,7 @@ def warmup_rounds(spec: JobSpec) -> int:
     """Rounds of the density warm-up (denser payloads than the model predicts for)."""
     if spec.compression != "group-topk":
         return 0
-    return spec.density_warmup * sum(1 for d in DGC_STAGES if d > float(spec.density))
+    return DensitySchedule(float(spec.density), steps_per_stage=spec.density_warmup).warmup_steps
 
 
 class CollectivePlans:
