@@ -261,6 +261,24 @@ class JobWorker:
         self.member.scaling.factor = factor
         return self.member
 
+    def start_round(self, r: int, halt: threading.Event,
+                    gate: Callable[[int], None] | None = None) -> None:  # fmt: skip
+        """Before round `r`: the head's checkpoint `gate`, then the `halt`. Stopped by
+        either, the state at the start of `r` is kept first, so that the nack names its
+        sha256 and a re-plan resumes here (CI: the head, halted in its gate, kept none,
+        and the ring went back to round 0)."""
+        try:
+            if gate is not None:
+                gate(r)
+            if halt.is_set():
+                raise Halted(f"{self.me}: halted before round {r}")
+        except CollectiveError:
+            self._keep(r)
+            raise
+        if self.drift:  # a test's stand-in for another architecture's rounding
+            nudge(self.model, self.drift, seed=r)
+        self._keep(r)
+
     def run(
         self,
         seg: Segment,
@@ -296,14 +314,7 @@ class JobWorker:
         build.retune(m, spec, self.task, dense=seg.codec == "dense")  # the codec's own rates
 
         def before(r: int) -> None:
-            if gate is not None:
-                gate(r)
-            if halt.is_set():
-                self._keep(r)  # held: a re-plan may resume here (its sha256 goes in the nack)
-                raise Halted(f"{self.me}: halted before round {r}")
-            if self.drift:  # a test's stand-in for another architecture's rounding
-                nudge(self.model, self.drift, seed=r)
-            self._keep(r)
+            self.start_round(r, halt, gate)
 
         def after(r: int, row: dict[str, Any]) -> None:
             self.committed = r + 1

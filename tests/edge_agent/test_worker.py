@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from fedring.build import plan
-from fedring.collective import CollectiveTimeout
+from fedring.collective import CollectiveError, CollectiveTimeout
 from fedring.config import JobSpec
 from fedring.edge_agent.daemon import _Running
 from fedring.edge_agent.worker import KEEP_SNAPSHOTS, JobWorker, Segment
 from fedring.engine.group import Group
-from fedring.training.models import set_flat_params
+from fedring.training.models import flat_sha256, set_flat_params
 from fedring.transport.inproc import InprocTransport
 
 
@@ -84,6 +84,28 @@ def test_the_head_runs_one_checkpoint_ahead_of_the_last_saved() -> None:
         run.gate(12, every=1, patience=0.05)
     with pytest.raises(CollectiveTimeout):  # before the bye: the last one itself
         run.gate(11, every=1, patience=0.05, ahead=0)
+
+
+@pytest.mark.parametrize("where", ["head-halted", "head-timed-out", "member-halted"])
+def test_a_round_stopped_before_it_began_is_kept_for_the_nack(where: str) -> None:
+    """Halted (or timed out) in the head's checkpoint gate, or halted without one, an
+    agent still holds the state at the start of that round, so its nack names a sha256
+    and a re-plan resumes there (CI: the head, halted in its gate, kept none; its nack
+    said round 34 with no sha256, and the ring went back to round 0)."""
+    w = _worker(every=1000)
+    for r in range(1, 34):
+        set_flat_params(w.model, w.params + 1.0)
+        w._keep(r)
+    set_flat_params(w.model, w.params + 1.0)  # round 33 ran: 34's start is the model
+    w.committed = 34
+    run = _Running(_segment(), threading.Thread(), acked=0 if where == "head-timed-out" else 34)
+    if where != "head-timed-out":
+        run.halt.set()  # the coordinator's halt arrived before round 34
+    head = where.startswith("head")
+    gate = (lambda r: run.gate(r, every=1, patience=0.05)) if head else None
+    with pytest.raises(CollectiveError):
+        w.start_round(34, run.halt, gate)
+    assert w.state_sha256(34) == flat_sha256(w.params)
 
 
 def test_the_ring_frame_size_from_the_manifest_is_used() -> None:
