@@ -332,7 +332,6 @@ class JobWorker:
             "rollbacks": result.rollbacks,
         }
 
-
     def run_async(
         self, seg: Segment, centre: Endpoint, key: bytes, counters: Counters,
         halt: threading.Event,
