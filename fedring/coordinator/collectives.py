@@ -37,6 +37,9 @@ re-plan: logged, counted (``collective_replanned``), an event in the summary, no
 break of the ring (`Degrade`); the members go on from the round they halted at
 (`coordinator.epoch.held_round`), so a re-plan costs a halt and a manifest, tens of ms. Each
 candidate runs at most once on the same members before they settle, so re-plans end.
+A trial runs `TRIAL_ROUNDS` before it is measured, so one the job would likely end
+during is not started (`rounds_left`: its last round, or the head's accuracy's trend
+to the target): the plan is kept, and the summary's epoch says what was ``not_tried``.
 
 Under ``compression = "auto"`` the candidates are plans, a codec with a collective
 (`choose.plans`): a dense plan is tried like a collective, and judged against
@@ -81,6 +84,10 @@ from fedring.coordinator.membership import Fleet
 log = logging.getLogger(__name__)
 
 CALIBRATION_ROUNDS = 20  # the head's rows an ``auto`` epoch measures before it checks
+# the rounds a tried plan runs before it is measured: the re-formed ring's first two,
+# then `CALIBRATION_ROUNDS` of the head's rows, and the halt
+TRIAL_ROUNDS = CALIBRATION_ROUNDS + 3
+TREND_EVALS = 5  # the head's newest evaluations whose trend says when the target is near
 TRY_WITHIN = 1.25  # try a collective predicted within this factor of the measured one
 # Each broker step's cost the probes miss, until the job has measured its own (`replan`):
 # the least the edge lab's grid measured (1.1 ms a step: the CNN's ring at 1 Mbit/s;
@@ -118,6 +125,7 @@ class _Planned:
     density: float = 0.0  # the warm-up stage's density its choice was made for; 0: the job's
     # each first plan's seconds on its best path through the warm-up left (`_choose`)
     path_s: dict[str, float] = field(default_factory=dict)
+    not_tried: dict[str, Any] = field(default_factory=dict)  # a trial the job's end forbade
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,28 @@ def warmup_rounds(spec: JobSpec) -> int:
     return DensitySchedule(float(spec.density), steps_per_stage=spec.density_warmup).warmup_steps
 
 
+def rounds_left(spec: JobSpec, now: int, evals: list[tuple[int, float]]) -> float:
+    """The rounds the job likely runs after round `now`: to ``spec.rounds``, or fewer
+    where it stops at its target accuracy and nears it. The least-squares line through
+    the head's newest `TREND_EVALS` evaluations (round, accuracy) at or before `now`,
+    taken from where it stands at `now` to the target. The job's rounds left where that
+    says nothing: no target, a rule that does not stop at it (hybrid), fewer than three
+    evaluations, or accuracy not rising."""
+    left = float(max(spec.rounds - now, 0))
+    recent = [(r, a) for r, a in evals if r <= now][-TREND_EVALS:]
+    stops = Aggregation.parse(spec.aggregation).kind != "hybrid"  # `build.loop_settings`
+    if not spec.target_accuracy or not stops or len(recent) < 3:
+        return left
+    mean_r = statistics.fmean(r for r, _ in recent)
+    mean_a = statistics.fmean(a for _, a in recent)
+    spread = sum((r - mean_r) ** 2 for r, _ in recent)
+    slope = sum((r - mean_r) * (a - mean_a) for r, a in recent) / spread
+    if slope <= 0:
+        return left
+    at_now = mean_a + slope * (now - mean_r)
+    return min(left, max(spec.target_accuracy - at_now, 0.0) / slope)
+
+
 class CollectivePlans:
     def __init__(self, hop_prior_s: float = HOP_PRIOR_S) -> None:
         self.epochs: list[_Planned] = []
@@ -160,6 +190,7 @@ class CollectivePlans:
         self.late_plans: set[str] = set()  # plans whose steps outlast the job's deadline
         self.step_timeout_s = 0.0  # the current epoch's step deadline; 0: the job's
         self.head_round = 0  # the head's newest row: the rounds the job has run
+        self.evals: list[tuple[int, float]] = []  # the head's evaluations: round, accuracy
 
     def plan(self, spec: JobSpec, epoch: int, members: list[str], fleet: Fleet, numel: int,
              start: int) -> str:  # fmt: skip
@@ -269,6 +300,9 @@ class CollectivePlans:
         if not self.epochs or not choosing(spec):
             return
         self.head_round = max(self.head_round, rnd)
+        accuracy = row.get("accuracy")
+        if isinstance(accuracy, int | float) and math.isfinite(accuracy):
+            self.evals = [e for e in self.evals if e[0] < rnd] + [(rnd, float(accuracy))]
         planned, comm = self.epochs[-1], row.get("comm_s")
         # past a new ring's start, and past the density warm-up unless the plan sends dense
         warm = 0 if codec_of(planned.choice.algorithm) == "dense" else warmup_rounds(spec)
@@ -312,6 +346,14 @@ class CollectivePlans:
         # tolerance on the all-reduce alone (not on the compute every plan pays)
         reach = {a: to_target(spec, a, v / TRY_WITHIN, compute) for a, v in again.items()}
         untried = [a for a in again if a not in seen and reach[a] <= now]
+        left = rounds_left(spec, self.head_round, self.evals)
+        if untried and left < TRIAL_ROUNDS:  # it would end during the trial: no gain
+            trial = min(untried, key=time.__getitem__)
+            planned.not_tried = {"plan": trial, "rounds_left": round(left, 1)}
+            log.info("not trying %s: the job likely ends in %.0f rounds (its last round, or "
+                     "its accuracy's trend to the target), a trial runs %d", trial, left,
+                     TRIAL_ROUNDS)  # fmt: skip
+            untried = []
         if untried:
             self.pending = min(untried, key=time.__getitem__)  # a tie: the first listed
             return (f"trying {self.pending}: predicted {again[self.pending] * 1e3:.1f} ms an "
@@ -433,6 +475,7 @@ class CollectivePlans:
                                          if planned.comm else None),
                 "hop_s": round(planned.hop_s, 6),
                 **({"step_timeout_s": planned.step_timeout_s} if planned.step_timeout_s else {}),
+                **({"not_tried": planned.not_tried} if planned.not_tried else {}),
             })  # fmt: skip
         return out
 

@@ -9,8 +9,10 @@ from fedring.collective.cost import steps
 from fedring.config import JobSpec
 from fedring.coordinator.collectives import (
     CALIBRATION_ROUNDS,
+    TRIAL_ROUNDS,
     TRY_WITHIN,
     CollectivePlans,
+    rounds_left,
     warmup_rounds,
 )
 from fedring.coordinator.membership import Fleet
@@ -198,6 +200,54 @@ def test_compression_auto_tries_dense_when_group_topk_measures_slow_and_keeps_it
     [first, second] = plans.summary(job, {}, f)
     assert (first["chosen"], first["codec"]) == ("ring", "group-topk")
     assert (second["chosen"], second["codec"]) == ("dense ring", "dense")
+
+
+# the head's evaluations of the digits MLP at N = 8, 50 Mbit/s (the grid, sitting 24):
+# group-top-k fan-out reached its target, 0.95, at round 55
+DIGITS = [(30, 0.886), (35, 0.925), (40, 0.944), (45, 0.939), (50, 0.942)]
+
+
+def test_rounds_left_follows_the_accuracys_trend_to_the_target() -> None:
+    job = JobSpec.from_mapping({"agents": 8, "dataset": "digits", "rounds": 400,
+                                "target_accuracy": 0.95})  # fmt: skip
+    # the line through the five: 0.00252 a round, 0.9524 at round 50: already there
+    assert rounds_left(job, 50, DIGITS) == 0.0
+    assert abs(rounds_left(job, 50, [(30, 0.80), (40, 0.85), (50, 0.90)]) - 10.0) < 1e-9
+    slow = [(30, 0.80), (40, 0.81), (50, 0.82)]  # 130 rounds to the target on this trend
+    assert rounds_left(job.replace(rounds=60), 50, slow) == 10.0  # its last round first
+    # nothing said: falling or flat accuracy, too few evaluations, no target, no stop
+    assert rounds_left(job, 50, [(30, 0.90), (40, 0.89), (50, 0.88)]) == 350.0
+    assert rounds_left(job, 50, [(30, 0.90), (40, 0.90), (50, 0.90)]) == 350.0
+    assert rounds_left(job, 50, DIGITS[-2:]) == 350.0
+    assert rounds_left(job.replace(target_accuracy=0.0), 50, DIGITS) == 350.0
+    assert rounds_left(job.replace(aggregation="hybrid"), 50, DIGITS) == 350.0
+    assert rounds_left(job, 40, DIGITS) == rounds_left(job, 40, DIGITS[:3])  # past `now`: not seen
+
+
+def test_compression_auto_tries_nothing_the_job_would_end_during() -> None:
+    """The same slow group-top-k that would try the dense ring (the test above), in a job
+    whose accuracy nears its target: a trial runs `TRIAL_ROUNDS` before it is measured,
+    the job likely ends first, so the plan is kept and the summary says what was not
+    tried (the grid's digits MLP at N = 8, 50 Mbit/s tried dense fan-out at round 50,
+    lost accuracy on the switch and reached 0.95 at round 75 where its fan-out did at 55)."""
+    job = auto_codec().replace(target_accuracy=0.95, rounds=400)
+    plans, f = CollectivePlans(hop_prior_s=0.0), fleet()
+    assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring"
+    predicted = plans.epochs[0].choice.predicted_s
+    slow = 4 * (predicted["dense ring"] - predicted["ring"]) + predicted["ring"]
+    for r, accuracy in DIGITS:  # the head's evaluation rows, before the check
+        plans.observe(job, r, {"round": r, "accuracy": accuracy})
+    assert feed(plans, job, 51, slow, CALIBRATION_ROUNDS) == ""
+    assert plans.pending == "" and tuple(MEMBERS) in plans.settled and plans.codec() == ""
+    [epoch] = plans.summary(job, {}, f)
+    assert epoch["not_tried"] == {"plan": "dense ring", "rounds_left": 0.0}
+    # far from the target (accuracy 0.5 and rising slowly) the trial is worth its rounds
+    far = CollectivePlans(hop_prior_s=0.0)
+    far.plan(job, 0, MEMBERS, f, NUMEL, 0)
+    for r in (30, 40, 50):
+        far.observe(job, r, {"round": r, "accuracy": 0.4 + r / 500})
+    assert rounds_left(job, 70, far.evals) > TRIAL_ROUNDS
+    assert feed(far, job, 51, slow, CALIBRATION_ROUNDS).startswith("trying dense ring:")
 
 
 def test_compression_auto_goes_back_to_group_topk_when_dense_measures_slower() -> None:
