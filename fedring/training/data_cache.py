@@ -20,7 +20,9 @@ milliseconds.
   shared one. A file is written under a temporary name and renamed into place, so
   processes starting together never read half a file.
 - **Nothing lost:** a directory that cannot be written to leaves the dataset generated
-  in memory, as before, with a warning.
+  in memory, as before, with a warning. A writer killed mid-write leaves its temporary
+  file; the next write of the same name removes those older than `STALE_TMP_S` (a
+  younger one may be another process's, still writing).
 
     >>> import os, tempfile
     >>> os.environ["FEDRING_CACHE_DIR"] = tempfile.mkdtemp()
@@ -32,11 +34,13 @@ milliseconds.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import os
 import re
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 _DIGEST = "sha256"  # the stored array holding the digest of the others
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 Arrays = dict[str, np.ndarray]
+STALE_TMP_S = 600.0  # a temporary file this old is a killed writer's: generating takes seconds
 
 
 def cache_dir() -> Path | None:
@@ -108,6 +113,7 @@ def _write(path: Path, arrays: Arrays) -> None:
         raise ValueError(f"an array may not be named {_DIGEST!r}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _sweep(path)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -119,3 +125,16 @@ def _write(path: Path, arrays: Arrays) -> None:
     except OSError as exc:
         log.warning("dataset cache %s cannot be written (%s): generated in memory only",
                     path, exc)  # fmt: skip
+
+
+def _sweep(path: Path) -> None:
+    """Remove the temporary files that killed writers of `path` left (older than
+    `STALE_TMP_S`); one that vanishes meanwhile was another process's to remove."""
+    now = time.time()
+    for tmp in path.parent.glob(f"{glob.escape(path.stem)}*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > STALE_TMP_S:
+                tmp.unlink()
+                log.info("dataset cache: removed %s, left by a killed writer", tmp)
+        except FileNotFoundError:
+            continue

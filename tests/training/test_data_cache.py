@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -203,3 +205,20 @@ def test_a_new_mnist1d_recipe_does_not_read_the_old_arrays(
         datasets._mnist1d_arrays.cache_clear()
     assert made == [1] and np.array_equal(new[0], changed["x_train"])
     assert len(list(folder.glob("mnist1d-r*.npz"))) == 2
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(folder: Path) -> None:
+    """A writer killed mid-write leaves ``toy-v1<random>.tmp``; the next write of that
+    name removes it once it is older than `STALE_TMP_S`, and leaves a young one (another
+    process's, still writing) and other names' alone."""
+    stale, young = folder / "toy-v1abc.tmp", folder / "toy-v1def.tmp"
+    other = folder / "toy-v2abc.tmp"
+    folder.mkdir(parents=True, exist_ok=True)
+    for tmp in (stale, young, other):
+        tmp.write_bytes(b"half a file")
+    old = time.time() - data_cache.STALE_TMP_S - 60
+    for tmp in (stale, other):
+        os.utime(tmp, (old, old))
+    assert _same(cached("toy", "v1", _Maker()), _arrays())
+    assert not stale.exists() and young.exists() and other.exists()
+    assert sorted(p.name for p in folder.glob("toy-v1*")) == ["toy-v1.npz", "toy-v1def.tmp"]
