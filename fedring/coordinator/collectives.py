@@ -302,7 +302,10 @@ class CollectivePlans:
         self.head_round = max(self.head_round, rnd)
         accuracy = row.get("accuracy")
         if isinstance(accuracy, int | float) and math.isfinite(accuracy):
-            self.evals = [e for e in self.evals if e[0] < rnd] + [(rnd, float(accuracy))]
+            # the newest few only (`rounds_left`); a ring re-formed from an earlier
+            # round drops those past it as its own evaluations come
+            newer = [e for e in self.evals[-TREND_EVALS:] if e[0] < rnd]
+            self.evals = [*newer, (rnd, float(accuracy))]
         planned, comm = self.epochs[-1], row.get("comm_s")
         # past a new ring's start, and past the density warm-up unless the plan sends dense
         warm = 0 if codec_of(planned.choice.algorithm) == "dense" else warmup_rounds(spec)

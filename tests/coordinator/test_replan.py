@@ -9,6 +9,7 @@ from fedring.collective.cost import steps
 from fedring.config import JobSpec
 from fedring.coordinator.collectives import (
     CALIBRATION_ROUNDS,
+    TREND_EVALS,
     TRIAL_ROUNDS,
     TRY_WITHIN,
     CollectivePlans,
@@ -222,6 +223,19 @@ def test_rounds_left_follows_the_accuracys_trend_to_the_target() -> None:
     assert rounds_left(job.replace(target_accuracy=0.0), 50, DIGITS) == 350.0
     assert rounds_left(job.replace(aggregation="hybrid"), 50, DIGITS) == 350.0
     assert rounds_left(job, 40, DIGITS) == rounds_left(job, 40, DIGITS[:3])  # past `now`: not seen
+
+
+def test_the_head_evaluations_kept_are_the_newest_few() -> None:
+    """A long job evaluating every round keeps a handful, not one a round; a ring
+    re-formed from an earlier round drops those past it."""
+    job = auto_codec().replace(target_accuracy=0.95, rounds=100_000)
+    plans = CollectivePlans(hop_prior_s=0.0)
+    plans.plan(job, 0, MEMBERS, fleet(), NUMEL, 0)
+    for r in range(1, 10_001):
+        plans.observe(job, r, {"round": r, "accuracy": r / 20_000})
+    assert len(plans.evals) <= TREND_EVALS + 1 and plans.evals[-1] == (10_000, 0.5)
+    plans.observe(job, 9_998, {"round": 9_998, "accuracy": 0.25})  # from an earlier round
+    assert [r for r, _ in plans.evals] == [9_996, 9_997, 9_998]
 
 
 def test_compression_auto_tries_nothing_the_job_would_end_during() -> None:
