@@ -349,8 +349,8 @@ class CollectivePlans:
         # tolerance on the all-reduce alone (not on the compute every plan pays)
         reach = {a: to_target(spec, a, v / TRY_WITHIN, compute) for a, v in again.items()}
         untried = [a for a in again if a not in seen and reach[a] <= now]
-        left = rounds_left(spec, self.head_round, self.evals)
-        if untried and left < TRIAL_ROUNDS:  # it would end during the trial: no gain
+        left = rounds_left(spec, self.head_round, self.evals) if untried else math.inf
+        if left < TRIAL_ROUNDS:  # it would end during the trial: no gain
             trial = min(untried, key=time.__getitem__)
             planned.not_tried = {"plan": trial, "rounds_left": round(left, 1)}
             log.info("not trying %s: the job likely ends in %.0f rounds (its last round, or "

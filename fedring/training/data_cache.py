@@ -129,7 +129,8 @@ def _write(path: Path, arrays: Arrays) -> None:
 
 def _sweep(path: Path) -> None:
     """Remove the temporary files that killed writers of `path` left (older than
-    `STALE_TMP_S`); one that vanishes meanwhile was another process's to remove."""
+    `STALE_TMP_S`). One that vanishes meanwhile was another process's to remove; one
+    that cannot be removed stays, and the write goes on."""
     now = time.time()
     for tmp in path.parent.glob(f"{glob.escape(path.stem)}*.tmp"):
         try:
@@ -138,3 +139,5 @@ def _sweep(path: Path) -> None:
                 log.info("dataset cache: removed %s, left by a killed writer", tmp)
         except FileNotFoundError:
             continue
+        except OSError as exc:
+            log.warning("dataset cache: cannot remove %s (%s)", tmp, exc)

@@ -222,3 +222,25 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(folder: Pa
     assert _same(cached("toy", "v1", _Maker()), _arrays())
     assert not stale.exists() and young.exists() and other.exists()
     assert sorted(p.name for p in folder.glob("toy-v1*")) == ["toy-v1.npz", "toy-v1def.tmp"]
+
+
+def test_a_temporary_file_that_cannot_be_removed_does_not_stop_the_write(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    stale = folder / "toy-v1abc.tmp"
+    stale.write_bytes(b"another user's")
+    old = time.time() - data_cache.STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    unlink = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self == stale:
+            raise PermissionError(13, "Permission denied", str(self))
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    with caplog.at_level(logging.WARNING, logger=data_cache.__name__):
+        assert _same(cached("toy", "v1", _Maker()), _arrays())
+    assert "cannot remove" in caplog.text and stale.exists()
+    assert (folder / "toy-v1.npz").exists()  # written all the same
