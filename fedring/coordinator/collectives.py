@@ -164,13 +164,10 @@ def rounds_left(spec: JobSpec, now: int, evals: list[tuple[int, float]]) -> floa
     stops = Aggregation.parse(spec.aggregation).kind != "hybrid"  # `build.loop_settings`
     if not spec.target_accuracy or not stops or len(recent) < 3:
         return left
-    mean_r = statistics.fmean(r for r, _ in recent)
-    mean_a = statistics.fmean(a for _, a in recent)
-    spread = sum((r - mean_r) ** 2 for r, _ in recent)
-    slope = sum((r - mean_r) * (a - mean_a) for r, a in recent) / spread
+    slope, intercept = statistics.linear_regression(*zip(*recent, strict=True))
     if slope <= 0:
         return left
-    at_now = mean_a + slope * (now - mean_r)
+    at_now = intercept + slope * now
     return min(left, max(spec.target_accuracy - at_now, 0.0) / slope)
 
 
