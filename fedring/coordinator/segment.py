@@ -238,7 +238,7 @@ class SegmentRunner(ControlPort):
                 self.t0 = time.perf_counter()  # every agent holds its shard and model
         elif msg.kind == "nack":
             self.counters.add("agent_nack")
-            self._note_nack(msg)
+            self._stopped(ep, msg)
             verdict = decide.on_nack(msg.src, str(msg.doc.get("why", "")), self.asynchronous)
             return self._take(ep, msg.src, verdict)
         elif msg.kind == "model":
@@ -253,6 +253,14 @@ class SegmentRunner(ControlPort):
                               "job %s: not a kind the coordinator reads; ignored", msg.kind,
                               msg.src, msg.job)  # fmt: skip
         return "", False
+
+    def _stopped(self, ep: Epoch, msg: ControlMessage) -> None:
+        """A member's nack: its segment ended (or never began), at the round it names."""
+        self._note_nack(msg)
+        ep.stopped.add(msg.src)
+        committed, sha = msg.doc.get("committed"), msg.doc.get("sha256")
+        if type(committed) is int and isinstance(sha, str):
+            ep.halted[msg.src] = (committed, sha)  # the round it holds
 
     def _bye(self, msg: ControlMessage) -> dict[str, Any]:
         """A member's bye with its counters checked (`byes.read_counters`): refused ones
@@ -399,7 +407,9 @@ class SegmentRunner(ControlPort):
         for agent in ep.members:
             if agent in self.link.peers():
                 self._send(agent, "bye", {"epoch": ep.number, "why": "halt"})
-        waiting = {a for a in ep.members if a in self.link.peers()} - set(ep.done)
+        # A member that nacked has ended its segment (or never began it): it answers no
+        # halt, and waiting for it would cost every such re-formation `halt_timeout_s`.
+        waiting = {a for a in ep.members if a in self.link.peers()} - set(ep.done) - ep.stopped
         deadline = Deadline.after(self.opts.halt_timeout_s)
         while waiting and not deadline.expired:
             item = self._next(0.2)
@@ -417,14 +427,13 @@ class SegmentRunner(ControlPort):
                 self._on_metrics(ep, msg)  # a round that ended before the halt may be held
             if msg.kind == "model" and this_epoch:
                 self._on_model(ep, msg)
-            if msg.kind in ("nack", "bye") and this_epoch:
+            if msg.kind == "nack" and this_epoch:
                 waiting.discard(msg.src)
-                if msg.kind == "nack":
-                    self._note_nack(msg)  # a refusal while the others halt counts too
-                    committed, sha = msg.doc.get("committed"), msg.doc.get("sha256")
-                else:  # it had ended the job's last round before the halt reached it
-                    ep.done[msg.src] = self._bye(msg)
-                    committed, sha = msg.doc.get("rounds"), msg.doc.get("sha256")
+                self._stopped(ep, msg)  # a refusal while the others halt counts too
+            elif msg.kind == "bye" and this_epoch:  # it had ended the job's last round
+                waiting.discard(msg.src)  # before the halt reached it
+                ep.done[msg.src] = self._bye(msg)
+                committed, sha = msg.doc.get("rounds"), msg.doc.get("sha256")
                 if type(committed) is int and isinstance(sha, str):
                     ep.halted[msg.src] = (committed, sha)  # the round it holds
         if ep.finished:  # all ran ahead to the end (CI: a re-plan went back to round 0)

@@ -173,6 +173,27 @@ def test_every_refusal_counts_in_the_fewer_agents_message(tmp_path: Path) -> Non
     assert "a2: refused" in text and "a3: refused" in text
 
 
+@pytest.mark.parametrize("why", ["peer 'a2' left or was lost", "refused: no such task"])
+def test_the_member_whose_nack_ended_the_epoch_is_not_awaited_at_the_halt(
+    tmp_path: Path, why: str
+) -> None:
+    """Its segment ended with its nack: it answers no halt. The halt waited for it all of
+    `halt_timeout_s` (10 s by default) at every re-formation a member's nack began
+    (seen in the degrade test's log: epoch 1 began 10.0 s after epoch 0 ended)."""
+    c, link = _coordinator(tmp_path)
+    c.opts.halt_timeout_s = 30.0
+    link.send_to = lambda *_args: None  # type: ignore[attr-defined]
+    ep = _Epoch(0, list(AGENTS), 5)
+    ended, _ = c._on_item(ep, _nack("a1", why))
+    assert ended == f"a1 stopped: {why}"
+    for agent in ("a0", "a2", "a3"):  # the others answer the halt
+        link.control.put(_nack(agent, "halted"))
+    started = time.monotonic()
+    c._reform(ep, ended)
+    assert time.monotonic() - started < 5  # not the 30 s of the halt's deadline
+    assert ep.stopped == set(AGENTS) and set(ep.halted) == set(AGENTS)  # a1's round too
+
+
 def test_a_sample_above_the_agents_enrolled_is_said_in_the_events(tmp_path: Path) -> None:
     """`sample = 3` of 4, started with --min-agents 2: every round trains both, and the
     summary's events say so (the job file itself may not ask for more than `agents`)."""
