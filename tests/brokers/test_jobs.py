@@ -53,7 +53,7 @@ def test_job_ends_with_the_mosquitto_hashes(
     broker: Broker, fleet: Fleet, tmp_path: Path, job: str
 ) -> None:
     path = job_file(tmp_path, job)
-    run = coordinator(broker.coordinator_url, path, tmp_path / "run", "--no-onnx")
+    run = coordinator(broker.coordinator_url, path, tmp_path / "run")
     summary = finish(run, 120)
     assert summary["identical_models"] and summary["rounds"] == 4
     assert summary["model_hashes"] == simulate(JobSpec.from_toml(path))["model_hashes"]

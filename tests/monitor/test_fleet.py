@@ -96,7 +96,7 @@ def test_each_board_names_the_job_it_is_in_and_none_once_it_is_done(
         # long enough that every board's status names it at once, even under load (a
         # 2-round job once ended before the last board's status came, on 2 busy cores)
         job = job_toml(tmp_path, dataset="synthetic", rounds=40, eval_every=40)
-        proc = coordinator(boards.url, job, tmp_path / "run", "--no-onnx")
+        proc = coordinator(boards.url, job, tmp_path / "run")
         summary = finish_after(proc, lambda: wait_for(in_one_job, 60, "the job's name"))
         assert (summary["job"],) in jobs
         wait_for(lambda: {b.job for b in table.boards(time.monotonic())} == {""}, 20, "no job")

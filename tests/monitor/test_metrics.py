@@ -242,7 +242,7 @@ def run(broker: Mosquitto, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             fleet.start(a)
         job = job_toml(tmp, agents=2, rounds=40, compression="group-topk", density=0.05)
         out = tmp / "out"
-        proc = coordinator(broker.url, job, out, "--no-onnx", "--metrics-port", "0",
+        proc = coordinator(broker.url, job, out, "--metrics-port", "0",
                            "--metrics-hold", "20")  # fmt: skip
         url = _url(tmp / "out-coordinator.log")
         wait_for(lambda: (out / "summary.json").exists() and proc.poll() is None, 120,

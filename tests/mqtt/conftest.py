@@ -124,10 +124,13 @@ class Fleet:
 
 
 def coordinator(
-    url: str, job: Path, out: Path, *extra: str, user: str = ""
+    url: str, job: Path, out: Path, *extra: str, user: str = "", onnx: bool = False
 ) -> subprocess.Popen[bytes]:
+    """A coordinator process for `job`. The ONNX export at the end (some 2-4 s of CPU a
+    job) only where the test asks for it (`onnx=True`) and checks it."""
     args = [sys.executable, "-m", "fedring", "-v", "coordinator", "run", str(job),
-            "--broker", url, "--out", str(out), "--json", "--username", user, *extra]  # fmt: skip
+            "--broker", url, "--out", str(out), "--json", "--username", user,
+            "--onnx" if onnx else "--no-onnx", *extra]  # fmt: skip
     err = open(out.parent / f"{out.name}-coordinator.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=err, env=_env(), start_new_session=True

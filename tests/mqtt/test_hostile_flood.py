@@ -50,7 +50,7 @@ def fleet(secured: Mosquitto, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def _run(url: str, job: Path, out: Path) -> dict:
     args = [sys.executable, "-m", "fedring", "coordinator", "run", str(job), "--broker", url,
-            "--out", str(out), "--json", "--username", "coordinator"]  # fmt: skip
+            "--out", str(out), "--json", "--username", "coordinator", "--no-onnx"]  # fmt: skip
     env = {**os.environ, "FEDRING_MQTT_PASSWORD": USERS["coordinator"]}
     with open(out.parent / f"{out.name}.log", "wb") as err:
         done = subprocess.run(args, stdout=subprocess.PIPE, stderr=err, env=env, timeout=240)

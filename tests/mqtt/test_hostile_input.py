@@ -132,7 +132,7 @@ def test_a_broker_user_cannot_end_the_coordinator_or_an_agent_with_one_message(
         out = tmp_path / "job" / "run"
         args = [sys.executable, "-m", "fedring", "-v", "coordinator", "run", str(job),
                 "--broker", secured.url, "--out", str(out), "--json", "--username",
-                "coordinator", "--enrol-timeout", "60"]  # fmt: skip
+                "coordinator", "--enrol-timeout", "60", "--no-onnx"]  # fmt: skip
         err = open(tmp_path / "coordinator.log", "wb")  # noqa: SIM115 - owned by the process
         coordinator = subprocess.Popen(
             args, stdout=subprocess.PIPE, stderr=err, start_new_session=True,

@@ -71,7 +71,7 @@ def test_four_agents_reach_95_percent_with_the_simulator_and_library_hash(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
     job = job_file(tmp_path)
-    summary = finish(coordinator(broker.url, job, tmp_path / "run"))
+    summary = finish(coordinator(broker.url, job, tmp_path / "run", onnx=True))
     assert summary["final_accuracy"] >= 0.95
     assert summary["identical_models"] and summary["reformations"] == 0
     # The default digits job: MQTT daemons, `fedring simulate` and a user's own loop

@@ -87,7 +87,7 @@ def test_three_daemons_train_a_model_no_rpi3_holds_within_budget(
     out = tmp_path / "big"
     start = time.monotonic()
     path = job(tmp_path, npz, BIG, steps, checkpoint_every=40)
-    summary = finish(coordinator(broker.url, path, out), 300)
+    summary = finish(coordinator(broker.url, path, out, onnx=True), 300)
     wall = time.monotonic() - start
     budget = load_builtin("rpi3").ram_budget_mb
     total = sum(s["params"] for s in summary["stages"])
@@ -123,7 +123,7 @@ def test_the_same_seed_gives_the_same_split_and_hash(
     for name, seed in (("first", 0), ("again", 0), ("seed1", 1)):
         out = tmp_path / name
         path = job(tmp_path / name, npz, SMALL, 30, seed=seed, checkpoint_every=10)
-        runs.append(finish(coordinator(broker.url, path, out, "--no-onnx"), 120))
+        runs.append(finish(coordinator(broker.url, path, out), 120))
     first, again, other = runs
     print("hashes:", [r["model_sha256"][:16] for r in runs])
     assert first["plan"] == again["plan"]
@@ -136,7 +136,7 @@ def test_a_killed_stage_ends_the_job_with_a_typed_error_and_keeps_the_checkpoint
 ) -> None:
     out = tmp_path / "kill"
     path = job(tmp_path, npz, SMALL, 1_000_000, checkpoint_every=20)
-    proc = coordinator(broker.url, path, out, "--no-onnx")
+    proc = coordinator(broker.url, path, out)
     try:
         wait_for(lambda: (out / "stages" / "step.json").exists(), 90, "a complete checkpoint")
         killed = time.monotonic()
@@ -159,7 +159,7 @@ def test_a_killed_stage_ends_the_job_with_a_typed_error_and_keeps_the_checkpoint
     assert all(stages.procs[a].poll() is None for a in ("a0", "a2"))  # the others stay up
     stages.start("a1")  # a fresh board takes its place; the survivors take the next job
     summary = finish(coordinator(broker.url, job(tmp_path / "next", npz, SMALL, 20),
-                                 tmp_path / "next-out", "--no-onnx"), 120)  # fmt: skip
+                                 tmp_path / "next-out"), 120)  # fmt: skip
     assert summary["rounds"] == 20 and summary["members"] == list(AGENTS)
 
 
@@ -167,11 +167,11 @@ def test_a_spare_board_takes_a_killed_stage_from_the_last_checkpoint(
     broker: Mosquitto, stages: Fleet, npz: str, tmp_path: Path
 ) -> None:
     path = job(tmp_path, npz, SMALL, 600, checkpoint_every=20)
-    unbroken = finish(coordinator(broker.url, path, tmp_path / "unbroken", "--no-onnx"), 180)
+    unbroken = finish(coordinator(broker.url, path, tmp_path / "unbroken"), 180)
     stages.start("a3")  # a spare: stages go to the first ids, a3 waits
     wait_for(lambda: "ready on" in stages.log("a3"), 60, "the spare's hello")
     out = tmp_path / "reformed"
-    proc = coordinator(broker.url, path, out, "--no-onnx")
+    proc = coordinator(broker.url, path, out)
 
     def kill_after_a_checkpoint() -> None:
         wait_for(lambda: (out / "stages" / "step.json").exists(), 90, "a complete checkpoint")
@@ -207,7 +207,7 @@ def test_a_model_no_split_of_fits_the_boards_is_refused_naming_stage_and_budget(
     broker: Mosquitto, stages: Fleet, npz: str, tmp_path: Path
 ) -> None:
     path = job(tmp_path, npz, "mlp:8192x8192", 10)  # one 67 M-parameter layer
-    proc = coordinator(broker.url, path, tmp_path / "huge", "--no-onnx")
+    proc = coordinator(broker.url, path, tmp_path / "huge")
     code = proc.wait(60)
     log = " ".join((tmp_path / "huge-coordinator.log").read_text().split())
     print(log[-300:])

@@ -59,7 +59,7 @@ def test_stage_counters_reach_the_summary_and_a_forged_object_is_refused(
                     lr=0.05, momentum=0.0, compression="none", batch_size=32,
                     micro_batches=MICRO, eval_every=10, timeout_s=10.0)  # fmt: skip
     out = tmp_path / "out"
-    printed = finish(coordinator(broker.url, path, out, "--no-onnx"), 120)
+    printed = finish(coordinator(broker.url, path, out), 120)
     summary = (out / "summary.json").read_text()
     assert printed["agent_counters"] == json.loads(summary)["agent_counters"]
     counters = printed["agent_counters"]

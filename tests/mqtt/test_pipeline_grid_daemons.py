@@ -106,7 +106,7 @@ def test_a_2x2_grid_of_daemons_trains_the_in_process_grids_model(
     torch.set_num_threads(1)
     path = job(tmp_path, 60, checkpoint_every=30)
     start = time.monotonic()
-    summary = finish(coordinator(broker.url, path, tmp_path / "out", "--no-onnx"), 120)
+    summary = finish(coordinator(broker.url, path, tmp_path / "out"), 120)
     wall = time.monotonic() - start
     print(summary["plan_text"])
     print(f"grid {summary['grid']}, replica hashes {summary['replica_sha256']}, model "
@@ -131,8 +131,7 @@ def test_a_killed_replica_ends_the_job_naming_stage_replica_and_agent(
     broker: Mosquitto, grid_fleet: Fleet, tmp_path: Path
 ) -> None:
     out = tmp_path / "kill"
-    proc = coordinator(broker.url, job(tmp_path, 1_000_000, checkpoint_every=20), out,
-                       "--no-onnx")  # fmt: skip
+    proc = coordinator(broker.url, job(tmp_path, 1_000_000, checkpoint_every=20), out)
     try:
         wait_for(lambda: (out / "stages" / "step.json").exists(), 60, "a complete checkpoint")
         grid_fleet.kill("a3")
@@ -158,7 +157,7 @@ def test_a_spare_takes_a_killed_replica_and_the_replicas_end_identical(
     grid_fleet.start("a4")  # a spare: the grid goes to the first four ids
     wait_for(lambda: "ready on" in grid_fleet.log("a4"), 60, "the spare's hello")
     out = tmp_path / "reformed"
-    proc = coordinator(broker.url, job(tmp_path, 100, checkpoint_every=20), out, "--no-onnx")
+    proc = coordinator(broker.url, job(tmp_path, 100, checkpoint_every=20), out)
 
     def kill_after_a_checkpoint() -> None:
         wait_for(lambda: (out / "stages" / "step.json").exists(), 60, "a complete checkpoint")

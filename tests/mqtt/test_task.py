@@ -43,7 +43,7 @@ def test_own_task_over_mqtt_matches_in_process_and_its_dense_run(
     try:
         for i in range(4):
             fleet.start(f"t{i}")
-        summary = finish(coordinator(broker.url, JOB, tmp_path / "run"), timeout=300)
+        summary = finish(coordinator(broker.url, JOB, tmp_path / "run", onnx=True), timeout=300)
     finally:
         fleet.stop()
     spec = JobSpec.from_toml(JOB)
