@@ -67,7 +67,7 @@ def test_three_stage_processes_fit_the_rpi3_budget_and_match_one_process(
     broker: Mosquitto, tmp_path: Path
 ) -> None:
     common = ["--model", MODEL, "--dataset", digits(tmp_path), "--board", "rpi3",
-              "--steps", "150", "--lr", "0.05", "--timeout-s", "60"]  # fmt: skip
+              "--steps", "80", "--lr", "0.05", "--timeout-s", "60"]  # fmt: skip
     pipe = tmp_path / "pp3"
     stages = finish([start(broker.url, "pp3", i, 3, pipe, *common) for i in range(3)], pipe, 400)
     alone = tmp_path / "pp1"
