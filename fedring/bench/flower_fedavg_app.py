@@ -169,7 +169,7 @@ def main(grid: Grid, context: Context) -> None:
     strategy = TargetFedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=n,
                             min_available_nodes=n)  # fmt: skip
     evaluate = Evaluator(cfg, strategy, out)
-    metered = MeteredGrid(grid)
+    metered = MeteredGrid(grid, prompt=False)  # plain Flower: its own waits for replies
     start = time.perf_counter()
     strategy.start(grid=metered, initial_arrays=ArrayRecord(evaluate.net.state_dict()),
                    num_rounds=cfg["rounds"], timeout=cfg["round-timeout-s"],

@@ -7,17 +7,30 @@ SuperNode pulls or pushes for one message, metadata and record keys included
 (gRPC framing and TLS are not counted). `MeteredGrid` wraps any `Grid` and keeps
 those sums per node in both directions, so fedring's ServerApp and a plain
 Flower strategy are measured the same way.
+
+On a SuperLink it also waits for replies promptly. Flower's deployment grid
+(`HttpGrid`: a ServerApp that `flwr run` starts on a SuperLink) sleeps 3 s between
+pulls in `send_and_receive`, so an exchange whose first pull came too early took at
+least 3 s, and fedring's relayed ring makes 2(N - 1) + 1 exchanges a round. There the
+pulls follow `PULL_S` (20 ms, then longer, at most 0.25 s apart). Other grids keep
+their own `send_and_receive`: the simulation engine's pulls every 0.1 s already.
+`prompt=False` keeps Flower's everywhere (the plain Flower FedAvg baseline does).
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.run import Run
+from flwr.superlink.grid.http_grid import HttpGrid
+
+PULL_S = (0.02, 0.05, 0.1, 0.25)  # the waits between pulls for replies; then the last
 
 
 def message_bytes(message: Message) -> int:
@@ -29,10 +42,15 @@ class MeteredGrid(Grid):
     """A `Grid` that counts the bytes of every message sent and every reply received.
 
     `down[node]` is what the ServerApp sent that node, `up[node]` what it replied.
+    `prompt`: pull for replies every `PULL_S` rather than at the inner grid's pace
+    (None: where the inner grid is Flower's `HttpGrid`).
     """
 
-    def __init__(self, inner: Grid) -> None:
+    def __init__(self, inner: Grid, prompt: bool | None = None) -> None:
         self.inner = inner
+        if prompt is None:
+            prompt = isinstance(inner, HttpGrid)
+        self.pull_s: Sequence[float] | None = PULL_S if prompt else None
         self.down: defaultdict[int, int] = defaultdict(int)
         self.up: defaultdict[int, int] = defaultdict(int)
         self.sent = 0
@@ -81,9 +99,24 @@ class MeteredGrid(Grid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        return self._count_in(
-            self.inner.send_and_receive(self._count_out(messages), timeout=timeout)
-        )
+        """Push `messages`, then pull their replies until all came or `timeout` (None:
+        for ever, as Flower's grids) passed; the replies that came."""
+        if self.pull_s is None:
+            return self._count_in(
+                self.inner.send_and_receive(self._count_out(messages), timeout=timeout)
+            )
+        waiting = set(self.push_messages(messages))
+        end = None if timeout is None else time.monotonic() + timeout
+        got: list[Message] = []
+        for wait in itertools.chain(self.pull_s, itertools.repeat(self.pull_s[-1])):
+            replies = list(self.pull_messages(waiting))
+            got.extend(replies)
+            waiting -= {m.metadata.reply_to_message_id for m in replies}
+            left = None if end is None else end - time.monotonic()
+            if not waiting or (left is not None and left <= 0):
+                return got
+            time.sleep(wait if left is None else min(wait, left))
+        return got  # not reached: the waits repeat for ever
 
     def totals(self) -> dict[str, float]:
         """Per-node means and sums of both directions (nodes that took part)."""
