@@ -13,14 +13,13 @@ import uuid
 from collections.abc import Iterable
 
 from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 from flwr.superlink.grid.http_grid import HttpGrid
 
 from fedring.flower.metering import PULL_S, MeteredGrid, message_bytes
+from tests.flower.inproc_grid import StubGrid
 
 
-class SlowGrid(Grid):
+class SlowGrid(StubGrid):
     """Each node answers `delay[node]` s after its message was pushed (never if absent);
     `send_and_receive` sleeps 1 s before its one pull (Flower's HttpGrid: 3 s)."""
 
@@ -29,17 +28,6 @@ class SlowGrid(Grid):
         self.due: dict[str, tuple[float, Message]] = {}  # message id -> (when, reply)
         self.pulls = 0
         self.slow_calls = 0
-
-    def set_run(self, run: Run) -> None:
-        raise NotImplementedError
-
-    @property
-    def run(self) -> Run:
-        raise NotImplementedError
-
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int,
-                       group_id: str, ttl: float | None = None) -> Message:  # fmt: skip
-        raise NotImplementedError
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.delay)
