@@ -73,7 +73,9 @@ def test_replies_come_back_within_a_pull_of_their_arrival_and_are_counted() -> N
     replies = list(grid.send_and_receive(sent, timeout=30.0))
     took = time.monotonic() - started
     assert sorted(r.metadata.src_node_id for r in replies) == [1, 2]
-    assert 0.5 <= took < 0.5 + PULL_S[-1] + 0.5, took  # Flower's HttpGrid: 3 s at least
+    # within a pull of 0.5 s (0.67 s here), with room for a loaded CI machine; Flower's
+    # HttpGrid: 3 s at least
+    assert 0.5 <= took < 2.5, took
     assert inner.slow_calls == 0 and inner.pulls >= 2
     assert grid.down[1] == message_bytes(sent[0]) > 0
     assert grid.up == {r.metadata.src_node_id: message_bytes(r) for r in replies}
@@ -86,7 +88,7 @@ def test_the_timeout_ends_the_wait_with_the_replies_that_came() -> None:
     replies = list(grid.send_and_receive(_messages([1, 2]), timeout=0.6))
     took = time.monotonic() - started
     assert [r.metadata.src_node_id for r in replies] == [1]
-    assert 0.6 <= took < 1.5, took
+    assert 0.6 <= took < 2.5, took  # room for a loaded CI machine
 
 
 def test_only_flowers_deployment_grid_is_pulled_promptly_by_default() -> None:
