@@ -140,8 +140,9 @@ class MqttLink:
 
     def connect(self) -> MqttLink:
         """Connect (falling back to MQTT 3.1.1 if asked or needed) and announce presence."""
-        hooks = Hooks(up=self._up, down=self._down,
-                      received=self._router.route, own_status=self._session.step_back)  # fmt: skip
+        hooks = Hooks(up=self._up, down=self._down, received=self._router.route,
+                      own_status=self._session.step_back,
+                      subscribed=self._router.subscribed)  # fmt: skip
         self._conn.connect(hooks)
         return self
 
@@ -227,11 +228,21 @@ class MqttLink:
         """Hold `job`'s frames from now on and subscribe to its broadcasts.
 
         An agent joins when the coordinator's first frame in the job reaches it (on
-        paho's thread, before the manifest is even read), so its subscription is in
-        place long before a faster member, which must still load and verify its shard,
-        broadcasts round 0. The counters at this moment are the job's baseline
+        paho's thread, before the manifest is even read); that its subscription is in
+        place before a faster member broadcasts round 0 is ensured by the start barrier
+        (`hears`), not by that head start. The counters at this moment are the job's baseline
         (`counters_since`): what is dropped while the job is set up is the job's."""
         self._router.join(job)
+
+    def hears(self, job: str, deadline: Deadline) -> bool:
+        """Wait until the broker confirmed our subscription to `job`'s broadcasts (its
+        SUBACK): from then on every broadcast of the job reaches us. False if we never
+        subscribed (never `join`ed) or the deadline passed first. An agent in a
+        broadcast collective waits for it before it acknowledges its manifest, and the
+        coordinator lets round 0 begin only once every member acknowledged (the start
+        barrier, docs/design.md)."""
+        heard = self._router.heard.get(job)
+        return heard is not None and heard.wait(deadline.remaining())
 
     def leave(self, job: str) -> None:
         """Forget a finished job: its frames, broadcasts included, are dropped from now on

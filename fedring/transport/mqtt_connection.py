@@ -75,6 +75,7 @@ class Hooks:
     down: Callable[[], None]  # the broker is gone for now; paho reconnects
     received: Callable[[str, bytes, bool], None]  # topic, payload, retained
     own_status: Callable[[mqtt.Client, mqtt.MQTTMessage], None]  # our retained presence
+    subscribed: Callable[[int, bool], None] = lambda _mid, _ok: None  # a SUBACK: mid, granted
 
 
 class Connection:
@@ -147,6 +148,7 @@ class Connection:
                         properties=will_props)  # fmt: skip
         client.on_connect, client.on_disconnect = self._on_connect, self._on_disconnect
         client.on_message, client.on_publish = self._on_message, self._on_ack
+        client.on_subscribe = self._on_suback
         client.on_log = self._on_log
         client.message_callback_add(topics.status(self.me), self._on_own_status)  # issue 27
         self.client = client
@@ -254,6 +256,10 @@ class Connection:
                         "packet size (AWS IoT Core: 128 KB), give the cap in the broker URL, "
                         "e.g. ?max_message=128k", self.me, self.cfg.url, self._largest)  # fmt: skip
             self.counters.add("mqtt_drop_after_large")
+
+    def _on_suback(self, _c: mqtt.Client, _u: Any, mid: int, codes: Any, _p: Any) -> None:
+        if self._hooks is not None:
+            self._hooks.subscribed(mid, not any(getattr(c, "is_failure", False) for c in codes))
 
     def _on_ack(self, client: mqtt.Client, _u: Any, mid: int, rc: Any, _p: Any) -> None:
         quick_ack(client)

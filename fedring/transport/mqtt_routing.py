@@ -9,11 +9,16 @@ never to a wildcard, so a flood on another (or a finished) job's topics never re
 Locking: `route` runs on paho's thread; `join` also runs there (the coordinator's first
 frame in a job) and on the owner's, as does `leave`. The job sets are only added to and
 discarded from (atomic under the GIL), and read by `route` one membership test at a
-time; `subscribe` copies them.
+time; `subscribe` copies them. A broadcast subscription's message id is recorded under
+``_subs_lock``, held across paho's ``subscribe`` so that its SUBACK (`subscribed`, on
+paho's thread) always finds it: paho's ``subscribe`` takes none of the locks its
+thread holds while it runs a callback.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Collection
 
 import paho.mqtt.client as mqtt
@@ -25,6 +30,8 @@ from fedring.transport.base import Delivery, LinkStats
 from fedring.transport.mqtt_connection import Connection
 from fedring.transport.mqtt_inbox import Control, Inboxes
 from fedring.transport.mqtt_watch import StatusWatch
+
+log = logging.getLogger("fedring.transport.mqtt")
 
 
 class Router:
@@ -56,6 +63,10 @@ class Router:
         # Jobs whose broadcasts we subscribe to: those we are in, never a wildcard.
         self.broadcasts: set[str] = set() if job is None else {job}
         self.joined_at: dict[str, dict[str, int]] = {}  # job -> counters when we joined it
+        # Set once the broker confirmed (SUBACK) our subscription to the job's broadcasts.
+        self.heard: dict[str, threading.Event] = {}
+        self._subs: dict[int, str] = {}  # a broadcast SUBSCRIBE's message id -> its job
+        self._subs_lock = threading.Lock()
 
     # -- subscriptions ------------------------------------------------------------------
 
@@ -74,11 +85,29 @@ class Router:
     def _subscribe_broadcasts(self, client: mqtt.Client, job: str) -> None:
         """Subscribe to `job`'s broadcasts; MQTT 5 asks the broker not to echo our own
         (3.1.1 cannot: `route` drops the echo, which still crossed our downlink)."""
-        if self.conn.v5:
-            client.subscribe(topics.job_broadcasts(job), options=SubscribeOptions(qos=1,
-                             noLocal=True))  # fmt: skip
-        else:
-            client.subscribe(topics.job_broadcasts(job), qos=1)
+        topic = topics.job_broadcasts(job)
+        with self._subs_lock:
+            self.heard.setdefault(job, threading.Event()).clear()  # until this one's SUBACK
+            if self.conn.v5:
+                _, mid = client.subscribe(topic, options=SubscribeOptions(qos=1, noLocal=True))
+            else:
+                _, mid = client.subscribe(topic, qos=1)
+            if mid is not None:
+                self._subs[mid] = job
+
+    def subscribed(self, mid: int, granted: bool) -> None:
+        """A SUBACK (paho's thread): the broker holds the subscription of message `mid`,
+        so its job's broadcasts published from now on reach us (`MqttLink.hears`)."""
+        with self._subs_lock:
+            job = self._subs.pop(mid, None)
+            heard = self.heard.get(job) if job is not None else None
+        if heard is None:
+            return  # not a broadcast subscription, or a job left since
+        if not granted:  # e.g. an ACL that lets us write broadcasts but not read them
+            self.counters.add("broadcast_subscribe_refused")
+            log.error("%s: the broker refused our subscription to job %s's broadcasts",
+                      self.me, job)  # fmt: skip
+        heard.set()  # refused or not: waiting longer would not help
 
     def join(self, job: str) -> None:
         """Hold `job`'s frames from now on and subscribe to its broadcasts (see
@@ -90,6 +119,8 @@ class Router:
 
     def hear_broadcasts(self, job: str) -> None:
         if job not in self.broadcasts:
+            with self._subs_lock:
+                self.heard.setdefault(job, threading.Event())  # set by the SUBACK
             self.broadcasts.add(job)
             client = self.conn.client
             if client is not None and self.conn.connected.is_set():
@@ -104,6 +135,8 @@ class Router:
             self.inboxes.close_private(job)
         if job in self.broadcasts:
             self.broadcasts.discard(job)
+            with self._subs_lock:
+                self.heard.pop(job, None)
             if self.conn.client is not None:
                 self.conn.client.unsubscribe(topics.job_broadcasts(job))
 

@@ -70,6 +70,26 @@ def test_frames_arrive_with_the_sender_named_by_the_topic(broker: Mosquitto, pro
 
 
 
+@pytest.mark.parametrize("protocol", ["3.1.1", "5"])
+def test_a_link_hears_a_jobs_broadcasts_once_the_broker_confirmed_its_subscription(
+    broker: Mosquitto, protocol: str
+) -> None:
+    """`hears`: False before the job is joined and after it is left, True once its
+    SUBACK came; a broadcast published after it then always arrives (the start barrier)."""
+    cfg = BrokerConfig.parse(broker.url, protocol=protocol)
+    with _pair(cfg, "a", "b") as (a, b):
+        assert not b.hears("j", Deadline.after(0.2))  # never joined: nothing to wait for
+        b.join("j")
+        assert b.hears("j", Deadline.after(5))
+        a.broadcast_to("j", b"round 0", Deadline.after(5))
+        item = _next(b)
+        while isinstance(item, MembershipEvent):  # a's presence may come first
+            item = _next(b)
+        assert item == Delivery("a", b"round 0")
+        b.leave("j")
+        assert not b.hears("j", Deadline.after(0.2))
+
+
 def test_a_killed_peer_is_lost_within_one_and_a_half_keepalives(broker: Mosquitto) -> None:
     cfg = BrokerConfig.parse(broker.url, keepalive=5)
     a, b = MqttLink(cfg, "a").connect(), MqttLink(cfg, "b").connect()

@@ -24,9 +24,13 @@ class FakeClient:
     def __init__(self) -> None:
         self.subs: list[str] = []
         self.unsubs: list[str] = []
+        self.mids: dict[str, int] = {}  # topic -> its SUBSCRIBE's message id, as paho's
 
-    def subscribe(self, topic: Any, qos: int = 0, options: Any = None) -> None:
+    def subscribe(self, topic: Any, qos: int = 0, options: Any = None) -> tuple[int, int]:
         self.subs += [t for t, _q in topic] if isinstance(topic, list) else [topic]
+        mid = len(self.mids) + 1
+        self.mids[self.subs[-1]] = mid
+        return 0, mid
 
     def unsubscribe(self, topic: str) -> None:
         self.unsubs.append(topic)
@@ -125,6 +129,30 @@ def test_a_link_subscribes_to_its_own_jobs_broadcasts_only() -> None:
     again = FakeClient()
     side.router.subscribe(again)  # type: ignore[arg-type]
     assert topics.job_broadcasts("k") not in again.subs
+
+
+def test_a_jobs_broadcasts_are_heard_from_their_suback_on() -> None:
+    """`heard`: the broker confirmed the job's subscription (its SUBACK, by message id);
+    a refused one is counted and logged, and waits no longer; other SUBACKs are no job's."""
+    side, client = Side(job=None), FakeClient()
+    side.conn.client = client  # type: ignore[assignment]
+    side.conn.connected.set()
+    side.router.join("k")
+    side.router.join("m")
+    heard = side.router.heard
+    assert not heard["k"].is_set() and not heard["m"].is_set()
+    side.router.subscribed(999, True)  # an inbox's or a status's: no job's
+    side.router.subscribed(client.mids[topics.job_broadcasts("k")], True)
+    assert heard["k"].is_set() and not heard["m"].is_set()
+    side.router.subscribed(client.mids[topics.job_broadcasts("m")], False)
+    assert heard["m"].is_set() and side.counters.get("broadcast_subscribe_refused") == 1
+    side.router.leave("k")
+    assert "k" not in heard
+    again = FakeClient()
+    side.router.subscribe(again)  # type: ignore[arg-type]  # a reconnect: heard again at its SUBACK
+    assert not heard["m"].is_set()
+    side.router.subscribed(again.mids[topics.job_broadcasts("m")], True)
+    assert heard["m"].is_set()
 
 
 def test_a_watcher_subscribes_to_beats_and_the_coordinator_to_hellos() -> None:
