@@ -37,6 +37,7 @@ class Epoch:
     held: str = ""  # sha256 of the state at `start` every member holds (no model sent)
     halted: dict[str, tuple[int, str]] = field(default_factory=dict)  # round, sha256 at halt
     stopped: set[str] = field(default_factory=set)  # nacked: its segment ended, no halt to await
+    barrier: bool = False  # a broadcast collective: round 0 waits for the go (every ack)
     _unacked: tuple[int, list[str]] | None = field(default=None, repr=False, compare=False)
 
     @property

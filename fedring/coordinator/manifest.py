@@ -20,6 +20,10 @@ from fedring.collective.torus import contacts
 from fedring.coordinator.checkpoint import Checkpoint
 from fedring.training.sharding import ShardEntry, ShardError, ShardManifest
 
+# The collectives whose members broadcast to the job's topic: a faster member's round 0
+# must not reach the broker before a slower member subscribed (docs/design.md).
+BARRIER = ("fanout", "hub")
+
 
 def segment_docs(
     ck: Checkpoint, members: list[str], epoch: int, start: int, frame_bytes: int,
@@ -34,7 +38,9 @@ def segment_docs(
     resumes there, its optimizer state too: the manifest says ``held``), else the
     checkpoint's (its parameters only); `codec`: "dense" where compression "auto"
     chose dense fp32 for the segment, else "" (the job's codec); `timeout_s`: each step's
-    deadline where the job's ``timeout_s`` is too short for this segment's plan, else 0."""
+    deadline where the job's ``timeout_s`` is too short for this segment's plan, else 0.
+    A broadcast collective's manifests say ``barrier``: the members wait for the
+    coordinator's go before round 0 (`BARRIER`)."""
     table = ShardManifest.from_dict(ck.shard_manifest)
     entry = shard_entries(table)
     topology, world = str(ck.spec.get("topology", "auto")), len(members)
@@ -67,6 +73,7 @@ def segment_docs(
             **({"codec": codec} if codec else {}),
             **({"timeout_s": timeout_s} if timeout_s else {}),
             **({"held": True} if held else {}),
+            **({"barrier": True} if collective in BARRIER and mode != "async" else {}),
         }
         for rank, agent in enumerate(members)
     }  # fmt: skip

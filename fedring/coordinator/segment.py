@@ -166,10 +166,12 @@ class SegmentRunner(ControlPort):
                             self.fleet.mixed(ep.members), collective, ep.held,
                             self.collectives.codec(),
                             self.collectives.step_timeout_s)  # fmt: skip
-        # Every manifest before any model: a member joins the job (and subscribes to its
-        # broadcasts) at its manifest, and none starts round 0 before its model, so no
-        # member broadcasts before every member has subscribed (sending each member its
-        # manifest and model in turn, a fan-out over Aedes lost a round-0 broadcast).
+        # Every manifest before any model (sending each member its manifest and model in
+        # turn, a fan-out over Aedes lost a round-0 broadcast). Not enough alone: a fresh
+        # job sends no model, and a loaded member may subscribe late, so a broadcast
+        # collective's members also wait for the go, sent once every member acked; a
+        # member acks once the broker confirmed its subscription (`ep.barrier`).
+        ep.barrier = any(doc.get("barrier") for doc in docs.values())
         for agent, doc in docs.items():
             self._send(agent, "manifest", doc, sign=False)
         if ck.params is not None and not ep.held:
@@ -232,10 +234,15 @@ class SegmentRunner(ControlPort):
         if epoch != ep.number:
             return "", False  # a late word from an earlier epoch
         if msg.kind == "ack":
+            first = msg.src not in ep.acks
             ep.acks.add(msg.src)
             self.fleet.on_ack(msg.src, msg.doc)
-            if self.t0 is None and len(ep.acks) == len(ep.members):
-                self.t0 = time.perf_counter()  # every agent holds its shard and model
+            if first and len(ep.acks) >= len(ep.members) and not ep.unacked():
+                if self.t0 is None:
+                    self.t0 = time.perf_counter()  # every agent holds its shard and model
+                if ep.barrier:  # every member hears the broadcasts now: round 0 may go
+                    for member in ep.members:
+                        self._send(member, "ack", {"epoch": ep.number, "go": True})
         elif msg.kind == "nack":
             self.counters.add("agent_nack")
             self._stopped(ep, msg)

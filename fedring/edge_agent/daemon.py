@@ -60,6 +60,7 @@ from fedring.wire.frame import decode_frame
 
 log = logging.getLogger(__name__)
 SEND_S = 10.0
+GO_S = 180.0  # a broadcast segment's wait for the go (a halt or the coordinator's loss ends it)
 # For tests and emulation only: the architecture this agent announces (default
 # `platform.machine()`), and noise of this size added to its parameters before
 # every round, a stand-in for another CPU's rounding (`engine.resync`).
@@ -212,6 +213,9 @@ class AgentDaemon:
         elif msg.kind == "ack":
             run = self.running
             if run is not None and msg.doc.get("epoch") == run.seg.epoch:
+                if msg.doc.get("go") is True:  # the start barrier: every member acked
+                    run.go.set()
+                    return
                 rnd = msg.doc.get("round", 0)
                 if isinstance(rnd, bool) or not isinstance(rnd, int):
                     raise FrameError(FrameReason.MALFORMED, f"ack: round={rnd!r}, not an integer")
@@ -362,6 +366,8 @@ class AgentDaemon:
 
         def body() -> None:
             try:
+                if seg.barrier:  # every member subscribed to the broadcasts: round 0 may go
+                    run.start(GO_S)
                 result = worker.run(seg, endpoint, self.codec.key or b"",
                                     self.counters, halt, on_round, gate, centre)  # fmt: skip
                 if uploaded[0] != worker.committed:
@@ -395,6 +401,10 @@ class AgentDaemon:
         feed.members(seg.members, "async" if seg.asynchronous else "ring")
         run.thread = threading.Thread(target=body, name=f"{self.me}-e{seg.epoch}", daemon=True)
         self.running = run
+        if seg.barrier and not link.hears(seg.job, Deadline.after(SEND_S)):
+            self.counters.add("broadcast_subscribe_slow")  # acked anyway: the ring may re-form
+            log.warning("%s: no SUBACK for job %s's broadcasts in %g s", self.me, seg.job,
+                        SEND_S)  # fmt: skip
         self._send(seg.job, "ack", {"epoch": seg.epoch, "start_round": seg.start_round,
                                     "step_s": worker.step_s, "numel": worker.numel})  # fmt: skip
         longer = f", steps wait up to {seg.timeout_s:g} s" if seg.timeout_s else ""

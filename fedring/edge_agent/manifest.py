@@ -27,6 +27,7 @@ def read_segment(doc: dict[str, Any], me: str) -> Segment:
         asynchronous=doc.get("mode") == "async", weight=float(doc.get("weight", 0.0)),
         mixed=doc.get("mixed") is True, collective=collective(doc),
         codec=codec(doc), held=doc.get("held") is True, timeout_s=step_timeout(doc),
+        barrier=doc.get("barrier") is True,
     )  # fmt: skip
     if seg.members[int(doc["rank"])] != me:
         raise JobRefused(f"{me} is not rank {doc['rank']} of the ring: {doc['peers']}")

@@ -5,7 +5,10 @@ The daemon's control loop and the segment's thread share this: the loop sets `ha
 (`ack`); the head's thread waits in `gate` before each round until the state at the
 checkpoint round before the last one is saved, so that agents never run more than
 ``2 x checkpoint_every`` rounds past what a restarted coordinator can resume from,
-and the newest checkpoint's round trip and save are off the rounds' path.
+and the newest checkpoint's round trip and save are off the rounds' path. In a
+broadcast collective (``fanout``, ``hub``) every member's thread first waits for the
+coordinator's ``go`` (`start`), sent once every member acknowledged its manifest, and
+so subscribed to the job's broadcasts (the start barrier, docs/design.md).
 """
 
 from __future__ import annotations
@@ -27,6 +30,20 @@ class Running:
     acked: int = 0  # the coordinator has saved the state at the start of this round
     wanted: int = -1  # the coordinator asks the head for the whole model of this round
     cond: threading.Condition = field(default_factory=threading.Condition)
+    go: threading.Event = field(default_factory=threading.Event)  # the coordinator's go
+
+    def start(self, patience: float) -> None:
+        """Wait for the coordinator's go (every member hears the broadcasts now): Halted
+        if halted first, `CollectiveTimeout` after `patience` seconds without it."""
+        deadline = Deadline.after(patience)
+        while not self.go.is_set():
+            if self.halt.is_set():
+                raise Halted("halted before the go")
+            if deadline.expired:
+                raise CollectiveTimeout(f"no go from the coordinator in {patience:g} s")
+            self.go.wait(min(0.5, deadline.remaining()))
+        if self.halt.is_set():
+            raise Halted("halted before round 0")
 
     def gate(
         self, r: int, every: int, patience: float, upload: Callable[[int], None] | None = None,

@@ -98,6 +98,7 @@ class Segment:
     # else the start is a checkpoint's, its parameters only (`JobWorker.restore`)
     held: bool = False
     timeout_s: float = 0.0  # each step's deadline where the job's is too short; 0: the job's
+    barrier: bool = False  # round 0 waits for the coordinator's go (a broadcast collective)
 
     @property
     def channel_job(self) -> str:
