@@ -5,7 +5,7 @@ gradients or the hub's sum) and end with `fedring simulate`'s parameters."""
 from __future__ import annotations
 
 import signal
-import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -62,22 +62,30 @@ def test_kill_9_an_agent_mid_round_re_forms_and_finishes(
 def test_a_member_that_subscribes_late_misses_no_round_0_broadcast(
     broker: Mosquitto, fleet: Fleet, tmp_path: Path
 ) -> None:
-    """The start barrier. a3 is stopped (``SIGSTOP``) as the job begins and goes on 3 s
-    later, so it subscribes to the job's broadcasts long after the others could have
-    broadcast round 0: a QoS 1 publish is not kept for a later subscriber, so without
-    the barrier a3 waits out its 20 s step deadline and the ring re-forms (seen in CI
-    under load, docs/design.md). With it, the others wait for the coordinator's go,
-    sent once a3 has acknowledged, after its SUBACK."""
+    """The start barrier. a3 is stopped (``SIGSTOP``) as the coordinator starts to enrol
+    (the manifests follow within some 60 ms) and goes on 2.5 s later, so it subscribes
+    to the job's broadcasts long after the others could have broadcast round 0: a QoS 1
+    publish is not kept for a later subscriber, so without the barrier a3 waited out its
+    20 s step deadline and the ring re-formed (as seen in CI under load,
+    docs/design.md). With it, the others wait for the coordinator's go, sent once a3
+    has acknowledged, after its SUBACK. 2.5 s is well inside the 6.25 s after which a
+    silent agent counts as lost (keep-alive 5 s)."""
     wait_for(lambda: "agent a3 ready" in fleet.log("a3"), 60, "a3 to be ready")
     job = job_toml(tmp_path, collective="fanout", rounds=10)
-    fleet.procs["a3"].send_signal(signal.SIGSTOP)
-    wake = threading.Timer(3.0, fleet.procs["a3"].send_signal, (signal.SIGCONT,))
-    wake.start()
+    out = tmp_path / "run"
+    proc = coordinator(broker.url, job, out)
+    log = out.parent / f"{out.name}-coordinator.log"
+    a3 = fleet.procs["a3"]
     try:
-        summary = finish(coordinator(broker.url, job, tmp_path / "run"))
+        deadline = time.monotonic() + 60
+        while "waiting for 4 agents" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.01)
+        a3.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)
     finally:
-        wake.cancel()
-        fleet.procs["a3"].send_signal(signal.SIGCONT)
+        a3.send_signal(signal.SIGCONT)
+    summary = finish(proc)
     assert summary["reformations"] == 0, summary["events"]
     assert summary["identical_models"] and summary["rounds"] == 10
     assert summary["model_hashes"] == simulate(JobSpec.from_toml(job))["model_hashes"]
