@@ -22,6 +22,19 @@ from fedring.edge_agent.worker import Halted, Segment
 from fedring.transport.base import Deadline
 
 
+def wait_for_go(go: threading.Event, halt: threading.Event, deadline: Deadline,
+                what: str) -> None:  # fmt: skip
+    """Wait until the coordinator says go (a ring's start barrier, a pipeline's start):
+    `Halted` if halted first, `CollectiveTimeout` at `deadline`; `what` names the wait."""
+    while not go.wait(min(0.2, deadline.remaining())):
+        if halt.is_set():
+            raise Halted(f"halted before {what}")
+        if deadline.expired:
+            raise CollectiveTimeout(f"no word from the coordinator: waited for {what}")
+    if halt.is_set():
+        raise Halted(f"halted before {what}")
+
+
 @dataclass
 class Running:
     seg: Segment
@@ -33,17 +46,8 @@ class Running:
     go: threading.Event = field(default_factory=threading.Event)  # the coordinator's go
 
     def start(self, patience: float) -> None:
-        """Wait for the coordinator's go (every member hears the broadcasts now): Halted
-        if halted first, `CollectiveTimeout` after `patience` seconds without it."""
-        deadline = Deadline.after(patience)
-        while not self.go.is_set():
-            if self.halt.is_set():
-                raise Halted("halted before the go")
-            if deadline.expired:
-                raise CollectiveTimeout(f"no go from the coordinator in {patience:g} s")
-            self.go.wait(min(0.5, deadline.remaining()))
-        if self.halt.is_set():
-            raise Halted("halted before round 0")
+        """Wait for the coordinator's go (every member hears the broadcasts now)."""
+        wait_for_go(self.go, self.halt, Deadline.after(patience), "the go")
 
     def gate(
         self, r: int, every: int, patience: float, upload: Callable[[int], None] | None = None,

@@ -40,6 +40,7 @@ from fedring import build
 from fedring.collective.channel import CollectiveError, CollectiveTimeout, PeerChannel
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
+from fedring.edge_agent.running import wait_for_go
 from fedring.edge_agent.worker import Halted, JobRefused
 from fedring.engine.gate import CodeRefused
 from fedring.engine.reducer import ReducerSettings
@@ -302,11 +303,7 @@ class StageHost:
         assert run.endpoint is not None
         spec, endpoint = run.spec, run.endpoint
         ready = Deadline.after(max(60.0, 3 * spec.timeout_s))
-        while not run.go.wait(0.2):
-            if run.halt.is_set():
-                raise Halted(f"{self.me}: halted before the first step")
-            if ready.expired:
-                raise CollectiveTimeout(f"{self.me}: no word to start from the coordinator")
+        wait_for_go(run.go, run.halt, ready, f"{self.me}'s first step")
         return_freed_memory()  # process-wide, and harmless to the daemon's other work
         reset_peak_rss()
         channel = PeerChannel(endpoint, run.channel_job, key=self.codec.key, counters=self.counters)

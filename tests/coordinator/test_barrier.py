@@ -88,7 +88,7 @@ def test_a_halt_or_the_deadline_ends_the_wait_for_the_go() -> None:
     threading.Timer(0.2, run.halt.set).start()
     with pytest.raises(Halted):
         run.start(10.0)
-    with pytest.raises(CollectiveTimeout, match="no go from the coordinator"):
+    with pytest.raises(CollectiveTimeout, match="no word from the coordinator: waited for the go"):
         _running(barrier=True).start(0.3)
 
 
