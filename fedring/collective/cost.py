@@ -23,10 +23,21 @@ collective on the dense vector, each member's codec its dense one (`Probe.dense`
 per-frame fixed part, `DENSE_ENTRY_S` an entry): fp32 on the ring, the job's value
 dtype (fp16 by default: half the bytes) on fan-out and the hub's way up.
 
-Each step also pays ``hop_s``, the per-step cost the probes cannot see (a frame
-signed, hashed and handed between threads at both ends, members sharing a CPU): the
-coordinator learns it from the job's own measured all-reduce (`coordinator.collectives`);
-it is 0 until then. The ring takes 2(D-1) steps an axis, fan-out one, the hub two.
+Each frame a member takes in also pays ``hop_s``, the cost the probes cannot see (a
+frame received by paho, checked, hashed and handed between threads): the coordinator
+starts from a prior and learns it from the job's own measured all-reduce
+(`coordinator.collectives`). A ring step takes one frame a member; fan-out's one step
+N-1 frames a member, all members at once; the hub's gather N-1 frames at the hub alone,
+its spread one a member (`hop_units`).
+
+Members that share a machine share its cores (the edge lab's agents, or several agents
+on one laptop): ``share`` is a member's co-hosted members over its host's cores, at least
+1 (`Fleet.cost_probes`, from the hellos' ``host`` and ``cores``). Work every member does
+at once (its codec, the frames it takes in) takes ``share`` times as long; the hub's
+gather and combine run while the others wait, so they do not. On a fleet of boards
+``share`` is 1. With it the model sees what the lab measured at N = 8 on 2 cores: the
+hub, which handles 2(N-1) frames a round, beats fan-out, which handles N(N-1), where the
+link is fast (`docs/lab.md`, "Shared cores").
 
 Compute, the head's checkpoint upload and the coordinator's messages are the same
 whichever collective runs, so the choice does not depend on them; the caller adds
@@ -58,13 +69,25 @@ class Probe:
     down_bps: float = 0.0  # bytes per second from the broker
     encode_s: tuple[float, float] = (0.0, 0.0)  # compress n entries: fixed + per entry
     decode_s: tuple[float, float] = (0.0, 0.0)  # decode n entries and add them
-    hop_s: float = 0.0  # each step's cost beyond the round trip, learned in the job
+    hop_s: float = 0.0  # each frame taken in: its cost beyond its bytes, learned in the job
+    share: float = 1.0  # members on this member's host over its cores, at least 1
 
-    def encode(self, n: float) -> float:
-        return max(self.encode_s[0], 0.0) + max(self.encode_s[1], 0.0) * n
+    def encode(self, n: float, alone: bool = False) -> float:
+        """Compress `n` entries while every member does (`alone`: the others wait)."""
+        seconds = max(self.encode_s[0], 0.0) + max(self.encode_s[1], 0.0) * n
+        return seconds * (1.0 if alone else self.load)
 
-    def decode(self, n: float) -> float:
-        return max(self.decode_s[0], 0.0) + max(self.decode_s[1], 0.0) * n
+    def decode(self, n: float, alone: bool = False) -> float:
+        seconds = max(self.decode_s[0], 0.0) + max(self.decode_s[1], 0.0) * n
+        return seconds * (1.0 if alone else self.load)
+
+    def frames(self, n: float, alone: bool = False) -> float:
+        """Take in `n` frames (`hop_s` each) while every member does, or `alone`."""
+        return max(self.hop_s, 0.0) * n * (1.0 if alone else self.load)
+
+    @property
+    def load(self) -> float:
+        return max(self.share, 1.0)
 
     def up(self, nbytes: float) -> float:
         return nbytes / self.up_bps if self.up_bps > 0 else 0.0
@@ -141,7 +164,7 @@ def ring_seconds(probes: list[Probe], work: Workload) -> float:
     total += max(p.encode(entries) for p in probes)  # each member compresses its gradient
     for d in layout_dims(work.topology, world) or (world,):
         share, entries = share / d, entries / d
-        step = max(p.rtt_s + p.hop_s + p.up(share) + p.down(share) for p in probes)
+        step = max(p.rtt_s + p.frames(1) + p.up(share) + p.down(share) for p in probes)
         reduce = max(p.decode(entries) + p.encode(entries) for p in probes)
         gather = max(p.decode(entries) for p in probes)
         total += (d - 1) * (2 * step + reduce + gather)
@@ -153,7 +176,7 @@ def fanout_seconds(probes: list[Probe], work: Workload) -> float:
     if world < 2:
         return 0.0
     send = max(p.encode(work.numel) + p.up(work.payload_bytes) for p in probes)
-    take = max(p.rtt_s + p.hop_s + p.down((world - 1) * work.payload_bytes)
+    take = max(p.rtt_s + p.frames(world - 1) + p.down((world - 1) * work.payload_bytes)
                + world * p.decode(work.numel) for p in probes)  # fmt: skip
     return send + take
 
@@ -165,21 +188,38 @@ def hub_seconds(probes: list[Probe], work: Workload) -> float:
     hub, members = probes[0], probes[1:]
     summed = min(world * work.payload_bytes, work.dense_bytes)
     send = max(p.encode(work.numel) + p.up(work.payload_bytes) for p in members)
-    gather = hub.rtt_s + hub.hop_s + hub.down((world - 1) * work.payload_bytes)
-    combine = world * hub.decode(work.numel) + hub.encode(work.numel)
-    spread = hub.up(summed) + max(p.rtt_s + p.hop_s + p.down(summed) + p.decode(work.numel)
+    gather = (hub.rtt_s + hub.frames(world - 1, alone=True)
+              + hub.down((world - 1) * work.payload_bytes))  # fmt: skip
+    combine = world * hub.decode(work.numel, alone=True) + hub.encode(work.numel, alone=True)
+    spread = hub.up(summed) + max(p.rtt_s + p.frames(1) + p.down(summed) + p.decode(work.numel)
                                   for p in members)  # fmt: skip
     return send + gather + combine + spread
 
 
 def steps(algorithm: str, world: int, topology: str = "auto") -> int:
-    """Sequential broker steps of one all-reduce (each pays a round trip and `hop_s`)."""
+    """Sequential broker steps of one all-reduce (each pays a round trip)."""
     algorithm = collective_of(algorithm)
     if world < 2:
         return 0
     if algorithm == "ring":
         return sum(2 * (d - 1) for d in layout_dims(topology, world) or (world,))
     return {"fanout": 1, "hub": 2}[algorithm]
+
+
+def hop_units(algorithm: str, probes: list[Probe], topology: str = "auto") -> float:
+    """How many times one all-reduce of `algorithm` pays `Probe.hop_s` on its critical
+    path (`ring_seconds`, `fanout_seconds`, `hub_seconds`): what the coordinator spreads
+    a measured excess over."""
+    world = len(probes)
+    if world < 2:
+        return 0.0
+    load = max(p.load for p in probes)
+    algorithm = collective_of(algorithm)
+    if algorithm == "ring":
+        return steps("ring", world, topology) * load
+    if algorithm == "fanout":
+        return (world - 1) * load
+    return (world - 1) + load  # the hub's gather alone, its spread one frame a member
 
 
 SECONDS = {"ring": ring_seconds, "fanout": fanout_seconds, "hub": hub_seconds}

@@ -20,17 +20,17 @@ ones below; the summary's epoch says its ``stage_density``, and each first plan'
 seconds on its best path through the warm-up, ``path_s``). Past the warm-up a plan
 holds until that check; where a job ends in a warm-up stage, the plan is chosen by
 each candidate's mean all-reduce over the rounds left (`choose.horizon_seconds`).
-Until the job has measured its own, each broker step costs `HOP_PRIOR_S` beyond the
-probes.
+Until the job has measured its own, each frame a member takes in costs `HOP_PRIOR_S`
+beyond the probes, times the cores it shares (`collective.cost`).
 
 The model is a prediction; ``auto`` checks it against the job. After
 `CALIBRATION_ROUNDS` of the head's rows past the warm-up it takes the median measured
-all-reduce (the rows' ``comm_s``) and learns, once a job, the per-step cost the probes
-missed (``hop_s``: the excess over the prediction spread over the collective's steps;
-frames signed and handed between threads, members sharing a CPU). The model errs the
+all-reduce (the rows' ``comm_s``) and learns, once a job, the per-frame cost the probes
+missed (``hop_s``: the excess over the prediction spread over the frames on the plan's
+critical path, `hop_units`; frames checked and handed between threads). The model errs the
 other way too (a token-bucket link lets a small message through at line rate, where
 the model charges it the average rate), so it does not stop at re-predicting: every
-candidate not yet run on these members whose prediction, with that per-step cost, is
+candidate not yet run on these members whose prediction, with that per-frame cost, is
 within `TRY_WITHIN` of the measured all-reduce is tried for as long, the fastest first,
 and then the job settles on the fastest measured. Each try and the settling are a
 re-plan: logged, counted (``collective_replanned``), an event in the summary, not a
@@ -43,7 +43,7 @@ to the target): the plan is kept, and the summary's epoch says what was ``not_tr
 
 Under ``compression = "auto"`` the candidates are plans, a codec with a collective
 (`choose.plans`): a dense plan is tried like a collective, and judged against
-group-top-k also without the learned per-step cost (`_again`), so a group-top-k
+group-top-k also without the learned per-frame cost (`_again`), so a group-top-k
 slowed by its own CPU still meets the dense ring. Plans of different codecs are
 compared by their time to the target (`choose.to_target`: group-top-k needs more
 rounds than dense, so its round must be that much shorter), with the round's compute
@@ -76,7 +76,7 @@ from fedring.choose import (
     to_target,
     warmup_stage,
 )
-from fedring.collective.cost import Choice, Probe, codec_of, steps
+from fedring.collective.cost import Choice, Probe, codec_of, hop_units
 from fedring.compression.schedule import DensitySchedule
 from fedring.config import MAX_TIMEOUT_S, JobSpec
 from fedring.coordinator.membership import Fleet
@@ -89,11 +89,13 @@ CALIBRATION_ROUNDS = 20  # the head's rows an ``auto`` epoch measures before it 
 TRIAL_ROUNDS = CALIBRATION_ROUNDS + 3
 TREND_EVALS = 5  # the head's newest evaluations whose trend says when the target is near
 TRY_WITHIN = 1.25  # try a collective predicted within this factor of the measured one
-# Each broker step's cost the probes miss, until the job has measured its own (`replan`):
-# the least the edge lab's grid measured (1.1 ms a step: the CNN's ring at 1 Mbit/s;
-# 3.7 to 7 ms elsewhere, `docs/lab.md`). Zero made the first plan of a short job count
-# the ring's six steps as free beside fan-out's one.
-HOP_PRIOR_S = 1e-3
+# Each frame's cost the probes miss (`collective.cost.hop_units`), until the job has
+# measured its own (`replan`): about the least the edge lab's grid measured, 0.38 ms a
+# frame where each of four members on two cores took one (the CNN's ring at 1 Mbit/s,
+# 0.76 ms a step); 0.7 ms where eight on two took seven each (the digits MLP's fan-out at
+# 50 Mbit/s; `docs/lab.md`, "Shared cores"). Zero made the first plan of a short job
+# count the ring's six steps as free beside fan-out's one.
+HOP_PRIOR_S = 4e-4
 DEADLINE_MARGIN = 1.5  # a late plan's step deadline over its predicted longest step
 # A re-formation's cost where a warm-up stage's plan changes: a halt and a manifest, about
 # four broker round trips and the members' restart (74 ms with one round measured over
@@ -115,7 +117,7 @@ class _Planned:
     choice: Choice
     numel: int
     probes: list[Probe]
-    hop_s: float  # the per-step cost the prediction included
+    hop_s: float  # the per-frame cost the prediction included
     comm: list[float] = field(default_factory=list)  # measured all-reduce seconds
     compute: list[float] = field(default_factory=list)  # measured compute seconds a round
     compute_s: float = 0.0  # the round's compute the plan assumed (0: unknown)
@@ -192,7 +194,7 @@ class CollectivePlans:
     def plan(self, spec: JobSpec, epoch: int, members: list[str], fleet: Fleet, numel: int,
              start: int) -> str:  # fmt: skip
         """The collective of `members` from round `start` (logged and kept)."""
-        probes = [replace(fleet.cost_probe(a), hop_s=self.hop_s) for a in members]
+        probes = [replace(p, hop_s=self.hop_s) for p in fleet.cost_probes(members)]
         compute = _round_compute(spec, fleet, members)
         spec = spec.replace(agents=len(members))  # the rounds factor grows with the ring
         pick = self._choose(spec, members, probes, numel, compute, start)
@@ -231,8 +233,12 @@ class CollectivePlans:
         chosen by its mean over those rounds where a job ends in a warm-up stage."""
         if not choosing(spec) or warmup_stage(spec, start) is None:
             choice, times = self._held(spec, members, probes, numel, compute, start)
-            if choosing(spec):
-                choice = replace(choice, algorithm=min(times, key=times.__getitem__))  # tie: first
+            if choosing(spec):  # over the rounds to the first check; leaving `keep` re-forms
+                held = max(warmup_rounds(spec), start + 2) + CALIBRATION_ROUNDS + 1 - start
+                reform = reform_seconds(probes)
+                total = {a: held * t + (reform if keep and a != keep else 0.0)
+                         for a, t in times.items()}  # fmt: skip
+                choice = replace(choice, algorithm=min(total, key=total.__getitem__))  # tie: first
             return _Pick(choice)
         phases, at = [], start
         while (stage := warmup_stage(spec, at)) is not None:
@@ -330,8 +336,8 @@ class CollectivePlans:
         seen[chosen] = measured
         predicted = planned.choice.predicted_s[chosen]
         if not self.learned:
-            n = steps(chosen, world, spec.topology)
-            # the prediction held the plan's step cost already: the excess is beyond it
+            n = hop_units(chosen, planned.probes, spec.topology)
+            # the prediction held the plan's frames' cost already: the excess is beyond it
             excess = (measured - predicted) / n if n else 0.0
             self.hop_s = max(0.0, planned.hop_s + excess) if n else 0.0
             self.learned = True
@@ -358,7 +364,7 @@ class CollectivePlans:
             self.pending = min(untried, key=time.__getitem__)  # a tie: the first listed
             return (f"trying {self.pending}: predicted {again[self.pending] * 1e3:.1f} ms an "
                     f"all-reduce, {chosen} measured {measured * 1e3:.1f} (predicted "
-                    f"{predicted * 1e3:.1f}; {self.hop_s * 1e3:.2f} ms a step the probes "
+                    f"{predicted * 1e3:.1f}; {self.hop_s * 1e3:.2f} ms a frame the probes "
                     "missed)")  # fmt: skip
         self.settled.add(key)
         best = min(seen, key=lambda a: to_target(spec, a, seen[a], compute))
@@ -390,7 +396,7 @@ class CollectivePlans:
                 f"{chosen} at {choice.expected(chosen) * 1e3:.1f}")  # fmt: skip
 
     def _again(self, spec: JobSpec, planned: _Planned, chosen: str) -> dict[str, float]:
-        """Each plan re-predicted with the learned per-step cost. A dense plan measured
+        """Each plan re-predicted with the learned per-frame cost. A dense plan measured
         against group-top-k also without it: the excess group-top-k measured may be
         its own codec CPU (under load the model was 3 to 4x low), which dense does not
         pay; the cheaper reading decides whether dense is tried."""
@@ -474,6 +480,7 @@ class CollectivePlans:
                 "measured_allreduce_s": (round(statistics.median(planned.comm), 6)
                                          if planned.comm else None),
                 "hop_s": round(planned.hop_s, 6),
+                "shared_cores": round(max((p.load for p in planned.probes), default=1.0), 3),
                 **({"step_timeout_s": planned.step_timeout_s} if planned.step_timeout_s else {}),
                 **({"not_tried": planned.not_tried} if planned.not_tried else {}),
             })  # fmt: skip

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fedring.collective.cost import Probe
@@ -225,6 +225,21 @@ class Fleet:
             down_bps=number(hello.get("down_bps")) or link,
             encode_s=pair("encode_s"), decode_s=pair("decode_s"),
         )  # fmt: skip
+
+    def cost_probes(self, members: list[str]) -> list[Probe]:
+        """Each member's `cost_probe`, with the cores it shares (`Probe.share`): the
+        members whose hellos name the same ``host`` over that host's ``cores`` (the
+        fewest any of them announced), at least 1. A member without both is alone."""
+        hosts: dict[str, list[str]] = {}
+        for a in members:
+            host = self.hellos.get(a, {}).get("host")
+            if isinstance(host, str) and host and number(self.hellos[a].get("cores")) >= 1:
+                hosts.setdefault(host, []).append(a)
+        share: dict[str, float] = {}
+        for together in hosts.values():
+            cores = min(number(self.hellos[a].get("cores")) for a in together)
+            share |= dict.fromkeys(together, max(1.0, len(together) / cores))
+        return [replace(self.cost_probe(a), share=share.get(a, 1.0)) for a in members]
 
     def probes(self, members: list[str]) -> dict[str, dict[str, float | None]]:
         out: dict[str, dict[str, float | None]] = {}

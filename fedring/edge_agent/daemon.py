@@ -36,6 +36,7 @@ from fedring.compression.probe import codec_cost
 from fedring.config import JobSpec, SpecError
 from fedring.counters import Counters
 from fedring.edge_agent.checkpoint_stream import CheckpointStream, whole_only
+from fedring.edge_agent.host import host_id, usable_cores
 from fedring.edge_agent.manifest import collective as _collective
 from fedring.edge_agent.manifest import read_segment, ring_view
 from fedring.edge_agent.running import Running
@@ -157,6 +158,7 @@ class AgentDaemon:
                 "step_s": _step_time(), **self.link.probe_link(),
                 "encode_s": list(encode_s), "decode_s": list(decode_s),
                 "threads": self.threads, "machine": self.machine,
+                "host": host_id(), "cores": usable_cores(),  # members sharing a CPU
                 "fedring": __version__, "torch": torch.__version__,
                 "python": platform.python_version(), "started": self.started,
                 "mem_total": _physical_memory(),

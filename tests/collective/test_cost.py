@@ -4,13 +4,14 @@ choice a job gets from it (`choose`)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from fedring.choose import candidates, choose_collective, payload_bytes, workload
-from fedring.collective.cost import ALGORITHMS, Probe, Workload, choose, predict
+from fedring.collective.cost import ALGORITHMS, Probe, Workload, choose, hop_units, predict
 from fedring.compression.group_topk import GroupTopK
 from fedring.compression.probe import _fit, codec_cost
 from fedring.config import JobSpec
@@ -173,3 +174,51 @@ def test_simulate_plans_auto_from_in_process_probes() -> None:
                                  else "ring of 3")  # fmt: skip
     fixed = simulate(spec.replace(collective=plan["chosen"]))
     assert summary["model_hashes"] == fixed["model_hashes"]
+
+
+def test_members_sharing_cores_pay_for_their_frames_together() -> None:
+    """Eight members on a fast link near their broker, each frame taken in costing 0.7 ms
+    (the edge lab's N = 8 fan-out, `docs/lab.md`, "Shared cores"). On eight boards fan-out's
+    one step (seven frames a member, all at once) beats the hub's two; on one machine of
+    two cores (four members a core) its 56 frames a round cost four times as long, while
+    the hub takes its seven alone and each member one: the hub wins, as the lab measured."""
+    boards = [replace(p, hop_s=7e-4) for p in probes(8, rtt=0.0005, mbit=50)]
+    shared = [replace(p, share=4.0) for p in boards]
+    payload = work(17_226)
+    assert choose(boards, payload).algorithm == "fanout"
+    assert choose(shared, payload).algorithm == "hub"
+    assert hop_units("fanout", shared) == 28 and hop_units("hub", shared) == 11
+    assert hop_units("ring", shared) == 14 * 4 and hop_units("ring", boards) == 14
+    assert hop_units("fanout", boards[:1]) == 0
+    # the frames' cost is what the units say; the codec's grows with the share as well
+    for plan in ALGORITHMS:
+        bare = [replace(p, hop_s=0.0) for p in boards]
+        extra = predict(plan, boards, payload) - predict(plan, bare, payload)
+        assert extra == pytest.approx(hop_units(plan, boards) * 7e-4)
+    assert predict("ring", [replace(p, hop_s=0.0, share=4.0) for p in boards], payload) > (
+        predict("ring", [replace(p, hop_s=0.0) for p in boards], payload))  # fmt: skip
+
+
+def test_a_share_below_one_counts_as_one() -> None:
+    alone = probes(4, 0.001, 10)
+    assert predict("fanout", [replace(p, share=0.25) for p in alone], work(17_226)) == (
+        predict("fanout", alone, work(17_226)))  # fmt: skip
+
+
+def test_the_fleet_tells_members_sharing_a_machine_by_their_hellos() -> None:
+    hello = {"rtt_s": 0.001, "up_bps": 1e6, "down_bps": 1e6}
+    fleet = Fleet(hellos={
+        "a0": {**hello, "host": "h1", "cores": 2}, "a1": {**hello, "host": "h1", "cores": 2},
+        "a2": {**hello, "host": "h1", "cores": 2}, "a3": {**hello, "host": "h1", "cores": 2},
+        "b0": {**hello, "host": "h2", "cores": 4}, "b1": {**hello, "host": "h2", "cores": 4},
+        "c0": {**hello, "host": "h3"},  # no cores said: alone
+        "d0": {**hello, "host": "h4", "cores": 0}, "d1": {**hello, "host": "h4", "cores": "2"},
+        "e0": dict(hello),  # an older agent's hello: no host
+    })  # fmt: skip
+    members = ["a0", "a1", "a2", "a3", "b0", "b1", "c0", "d0", "d1", "e0"]
+    share = {a: p.share for a, p in zip(members, fleet.cost_probes(members), strict=True)}
+    assert share == {"a0": 2.0, "a1": 2.0, "a2": 2.0, "a3": 2.0, "b0": 1.0, "b1": 1.0,
+                     "c0": 1.0, "d0": 1.0, "d1": 1.0, "e0": 1.0}  # fmt: skip
+    # only the members of the ring count: two of host h1's four are one a core
+    assert [p.share for p in fleet.cost_probes(["a0", "a1"])] == [1.0, 1.0]
+    assert fleet.cost_probes(["a0"])[0] == replace(fleet.cost_probe("a0"), share=1.0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fedring.choose import choose_plan, horizon_seconds, sent_densities, warmup_stage
-from fedring.collective.cost import Probe, steps
+from fedring.collective.cost import Probe, hop_units, steps
 from fedring.config import JobSpec
 from fedring.coordinator import collectives
 from fedring.coordinator.collectives import (
@@ -65,7 +65,7 @@ def test_a_short_jobs_first_plan_counts_the_warm_up_and_a_re_plan_past_it_does_n
     assert plans.plan(job, 1, MEMBERS, fleet, NUMEL, 100) == "fanout"  # past the warm-up
 
 
-def test_the_first_plan_pays_a_prior_step_cost_and_the_job_learns_beyond_it() -> None:
+def test_the_first_plan_pays_a_prior_frame_cost_and_the_job_learns_beyond_it() -> None:
     job = spec(density=0.01, density_warmup=0)
     plans, fleet = CollectivePlans(), Fleet(hellos={a: dict(HELLO) for a in MEMBERS})
     chosen = plans.plan(job, 0, MEMBERS, fleet, NUMEL, 0)
@@ -73,10 +73,11 @@ def test_the_first_plan_pays_a_prior_step_cost_and_the_job_learns_beyond_it() ->
                                               for p in plans.epochs[0].probes)  # fmt: skip
     bare = CollectivePlans(hop_prior_s=0.0)
     bare.plan(job, 0, MEMBERS, fleet, NUMEL, 0)
-    n = steps(chosen, 4)
+    n = hop_units(chosen, plans.epochs[0].probes)  # the frames on its critical path
+    assert n == {"ring": 6, "fanout": 3, "hub": 4}[chosen]  # four boards: no shared cores
     priced = plans.epochs[0].choice.predicted_s[chosen]
     assert priced == pytest.approx(bare.epochs[0].choice.predicted_s[chosen] + n * HOP_PRIOR_S)
-    measured = priced + n * 0.002  # each step 2 ms over the priced one
+    measured = priced + n * 0.002  # each frame 2 ms over the priced one
     for r in range(3, 3 + CALIBRATION_ROUNDS):
         plans.observe(job, r, {"round": r, "comm_s": measured})
         plans.replan(job)

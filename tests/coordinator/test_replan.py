@@ -5,6 +5,8 @@ fastest measured."""
 
 from __future__ import annotations
 
+import pytest
+
 from fedring.collective.cost import steps
 from fedring.config import JobSpec
 from fedring.coordinator.collectives import (
@@ -60,7 +62,7 @@ def rows_from(plans: CollectivePlans) -> int:
     return max(warmup_rounds(spec()), plans.epochs[-1].start_round + 2) + 1
 
 
-def test_a_ring_slower_than_predicted_per_step_tries_fanout_and_keeps_it() -> None:
+def test_a_ring_slower_than_predicted_per_frame_tries_fanout_and_keeps_it() -> None:
     job, plans, f = spec(), CollectivePlans(hop_prior_s=0.0), fleet()
     assert plans.plan(job, 0, MEMBERS, f, NUMEL, 0) == "ring"
     predicted = plans.epochs[0].choice.predicted_s
@@ -70,13 +72,14 @@ def test_a_ring_slower_than_predicted_per_step_tries_fanout_and_keeps_it() -> No
     why = feed(plans, job, rows_from(plans), measured, CALIBRATION_ROUNDS)
     assert why.startswith("trying fanout:") and "ring measured" in why
     assert abs(plans.hop_s - 0.002) < 1e-9
-    # the next epoch (the re-formed ring) runs fanout, predicted with the learned step
+    # the next epoch (the re-formed ring) runs fanout, predicted with the learned cost
+    # of a frame: each member takes in N - 1 = 3 of them in its one step
     at = rows_from(plans) + CALIBRATION_ROUNDS
     assert plans.plan(job, 1, MEMBERS, f, NUMEL, at) == "fanout"
-    assert plans.epochs[-1].choice.predicted_s["fanout"] == predicted["fanout"] + 0.002
+    fanout_s = predicted["fanout"] + 3 * 0.002
+    assert plans.epochs[-1].choice.predicted_s["fanout"] == pytest.approx(fanout_s)
     # fanout measures as predicted; the hub is predicted far slower: the job stays
-    assert feed(plans, job, rows_from(plans), predicted["fanout"] + 0.002,
-                3 * CALIBRATION_ROUNDS) == ""  # fmt: skip
+    assert feed(plans, job, rows_from(plans), fanout_s, 3 * CALIBRATION_ROUNDS) == ""
     assert tuple(MEMBERS) in plans.settled
     [ring, fanout] = plans.summary(job, {}, f)
     assert ring["chosen"] == "ring" and fanout["chosen"] == "fanout"

@@ -14,6 +14,7 @@ from fedring.collective.cost import ALGORITHMS, Choice
 from fedring.config import JobSpec
 from fedring.coordinator.collectives import CollectivePlans
 from fedring.coordinator.service import HELD_SPREAD, Coordinator, Options
+from fedring.edge_agent.host import usable_cores
 from fedring.sim.runner import simulate
 from fedring.transport.mosquitto import Mosquitto
 from fedring.transport.mqtt import BrokerConfig
@@ -37,6 +38,8 @@ def test_auto_runs_the_collective_it_planned(broker: Mosquitto, fleet: Fleet,
     assert plan["chosen"] in ALGORITHMS and set(plan["predicted_s"]) == set(ALGORITHMS)
     assert plan["members"] == 4 and plan["measured_round_s"] > 0
     assert plan["predicted_round_s"] >= plan["predicted_s"][plan["chosen"]] > 0
+    # the four daemons' hellos name this machine: they share its cores (`Probe.share`)
+    assert plan["shared_cores"] == round(max(1.0, 4 / usable_cores()), 3)
     # what ran is what was planned: the job ends where simulate ends with that collective
     local = simulate(JobSpec.from_toml(job).replace(collective=plan["chosen"]))
     assert summary["model_hashes"] == local["model_hashes"]
