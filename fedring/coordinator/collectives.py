@@ -31,10 +31,15 @@ critical path, `hop_units`; frames checked and handed between threads). The mode
 other way too (a token-bucket link lets a small message through at line rate, where
 the model charges it the average rate), so it does not stop at re-predicting: every
 candidate not yet run on these members whose prediction, with that per-frame cost, is
-within `TRY_WITHIN` of the measured all-reduce is tried for as long, the fastest first,
-and then the job settles on the fastest measured. Each try and the settling are a
-re-plan: logged, counted (``collective_replanned``), an event in the summary, not a
-break of the ring (`Degrade`); the members go on from the round they halted at
+within reach of the measured all-reduce is tried for as long, the fastest first, and
+then the job settles on the fastest measured. The reach is how far the model missed the
+plan it ran (measured over predicted, or the inverse), between `TRY_FLOOR` and
+`TRY_WITHIN` (`reach`): where the job measured its plan as predicted, a runner-up
+predicted 15 to 25% slower is not worth a trial (the grid's N = 8 CNN at 10 Mbit/s: the
+hub measured 13.1 ms against 12.5 predicted, fan-out tried at 16.0 predicted measured
+21.5), and where the model missed by more, so may its other predictions have. Each try
+and the settling are a re-plan: logged, counted (``collective_replanned``), an event in
+the summary, not a break of the ring (`Degrade`); the members go on from the round they halted at
 (`coordinator.epoch.held_round`), so a re-plan costs a halt and a manifest, tens of ms. Each
 candidate runs at most once on the same members before they settle, so re-plans end.
 A trial runs `TRIAL_ROUNDS` before it is measured, so one the job would likely end
@@ -89,6 +94,7 @@ CALIBRATION_ROUNDS = 20  # the head's rows an ``auto`` epoch measures before it 
 TRIAL_ROUNDS = CALIBRATION_ROUNDS + 3
 TREND_EVALS = 5  # the head's newest evaluations whose trend says when the target is near
 TRY_WITHIN = 1.25  # try a collective predicted within this factor of the measured one
+TRY_FLOOR = 1.1  # ... at least, where the model predicted the plan that ran closer (`reach`)
 # Each frame's cost the probes miss (`collective.cost.hop_units`), until the job has
 # measured its own (`replan`): about the least the edge lab's grid measured, 0.38 ms a
 # frame where each of four members on two cores took one (the CNN's ring at 1 Mbit/s,
@@ -102,6 +108,16 @@ DEADLINE_MARGIN = 1.5  # a late plan's step deadline over its predicted longest 
 # a loopback broker, `docs/lab.md`)
 REFORM_S = 0.05
 REFORM_TRIPS = 4
+
+
+def reach(measured: float, predicted: float) -> float:
+    """How much slower than the measured all-reduce a plan may be predicted and still be
+    tried: by as much as the model missed the plan that ran, from `TRY_FLOOR` to
+    `TRY_WITHIN` (the widest where either figure is unknown)."""
+    if measured <= 0 or predicted <= 0:
+        return TRY_WITHIN
+    missed = max(measured / predicted, predicted / measured)
+    return min(TRY_WITHIN, max(TRY_FLOOR, missed))
 
 
 def reform_seconds(probes: list[Probe]) -> float:
@@ -348,10 +364,11 @@ class CollectivePlans:
         compute = statistics.median(planned.compute) if planned.compute else planned.compute_s
         time = {a: to_target(spec, a, v, compute) for a, v in again.items()}
         now = to_target(spec, chosen, measured, compute)
-        # within reach: predicted within TRY_WITHIN of the measured all-reduce, the
-        # tolerance on the all-reduce alone (not on the compute every plan pays)
-        reach = {a: to_target(spec, a, v / TRY_WITHIN, compute) for a, v in again.items()}
-        untried = [a for a in again if a not in seen and reach[a] <= now]
+        # within reach of the measured all-reduce (`reach`), the tolerance on the
+        # all-reduce alone (not on the compute every plan pays)
+        within = reach(measured, predicted)
+        reach_s = {a: to_target(spec, a, v / within, compute) for a, v in again.items()}
+        untried = [a for a in again if a not in seen and reach_s[a] <= now]
         left = rounds_left(spec, self.head_round, self.evals) if untried else math.inf
         if left < TRIAL_ROUNDS:  # it would end during the trial: no gain
             trial = min(untried, key=time.__getitem__)
