@@ -110,6 +110,13 @@ REFORM_S = 0.05
 REFORM_TRIPS = 4
 
 
+def rounds_to_check(spec: JobSpec, start: int) -> int:
+    """The rounds a plan chosen at round `start` runs before its first check: to the
+    end of the warm-up (or the new ring's first two), then `CALIBRATION_ROUNDS` of the
+    head's rows."""
+    return max(warmup_rounds(spec), start + 2) + CALIBRATION_ROUNDS + 1 - start
+
+
 def reach(measured: float, predicted: float) -> float:
     """How much slower than the measured all-reduce a plan may be predicted and still be
     tried: by as much as the model missed the plan that ran, from `TRY_FLOOR` to
@@ -250,7 +257,7 @@ class CollectivePlans:
         if not choosing(spec) or warmup_stage(spec, start) is None:
             choice, times = self._held(spec, members, probes, numel, compute, start)
             if choosing(spec):  # over the rounds to the first check; leaving `keep` re-forms
-                held = max(warmup_rounds(spec), start + 2) + CALIBRATION_ROUNDS + 1 - start
+                held = rounds_to_check(spec, start)
                 reform = reform_seconds(probes)
                 total = {a: held * t + (reform if keep and a != keep else 0.0)
                          for a, t in times.items()}  # fmt: skip
@@ -265,7 +272,7 @@ class CollectivePlans:
             phases.append((choice, seconds, end, float(basis.density)))
             at = end
         _, times = self._held(spec, members, probes, numel, compute, at)
-        held = max(warmup_rounds(spec), at + 2) + CALIBRATION_ROUNDS + 1 - at
+        held = rounds_to_check(spec, at)
         reform = reform_seconds(probes)
         ahead = {a: held * t for a, t in times.items()}  # the path's seconds from a phase on
         for _, seconds, _, _ in reversed(phases):
@@ -282,7 +289,7 @@ class CollectivePlans:
         """The plans from round `start` past the warm-up, and each one's time a round to
         the target over the rounds it holds before its first check (measured on these
         members where it ran, else predicted: over the horizon where it holds a stage)."""
-        horizon = max(warmup_rounds(spec), start + 2) + CALIBRATION_ROUNDS + 1 - start
+        horizon = rounds_to_check(spec, start)
         choice = choose_plan(spec, numel, probes, compute, start, horizon)
         expected = self._expected(members, choice)
         return choice, {a: to_target(spec, a, v, compute) for a, v in expected.items()}
