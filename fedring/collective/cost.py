@@ -72,22 +72,27 @@ class Probe:
     hop_s: float = 0.0  # each frame taken in: its cost beyond its bytes, learned in the job
     share: float = 1.0  # members on this member's host over its cores, at least 1
 
+    # Each CPU cost below is what the work takes while every member does it at once
+    # (`load` times its own), or `alone` while the others wait (the hub's gather).
+
     def encode(self, n: float, alone: bool = False) -> float:
-        """Compress `n` entries while every member does (`alone`: the others wait)."""
-        seconds = max(self.encode_s[0], 0.0) + max(self.encode_s[1], 0.0) * n
-        return seconds * (1.0 if alone else self.load)
+        """Compress `n` entries."""
+        return self._cpu(max(self.encode_s[0], 0.0) + max(self.encode_s[1], 0.0) * n, alone)
 
     def decode(self, n: float, alone: bool = False) -> float:
-        seconds = max(self.decode_s[0], 0.0) + max(self.decode_s[1], 0.0) * n
-        return seconds * (1.0 if alone else self.load)
+        """Decode `n` entries and add them."""
+        return self._cpu(max(self.decode_s[0], 0.0) + max(self.decode_s[1], 0.0) * n, alone)
 
     def frames(self, n: float, alone: bool = False) -> float:
-        """Take in `n` frames (`hop_s` each) while every member does, or `alone`."""
-        return max(self.hop_s, 0.0) * n * (1.0 if alone else self.load)
+        """Take in `n` frames, `hop_s` each."""
+        return self._cpu(max(self.hop_s, 0.0) * n, alone)
 
     @property
     def load(self) -> float:
         return max(self.share, 1.0)
+
+    def _cpu(self, seconds: float, alone: bool) -> float:
+        return seconds if alone else seconds * self.load
 
     def up(self, nbytes: float) -> float:
         return nbytes / self.up_bps if self.up_bps > 0 else 0.0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,5 +39,12 @@ def test_without_a_machine_id_the_hostname_names_the_host(
     assert re.fullmatch(r"[0-9a-f]{16}", seven) and host.host_id() != seven
 
 
-def test_the_cores_are_the_processs_affinity() -> None:
+def test_the_cores_are_the_processs_affinity_not_the_machines() -> None:
+    """A process pinned to one core (`taskset`, a container's cpuset) may use one,
+    whatever the machine has: a child pinned to core 0 says 1."""
+    code = ("import os; from fedring.edge_agent.host import usable_cores; "
+            "os.sched_setaffinity(0, {0}); print(usable_cores())")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)  # fmt: skip
+    assert out.stdout.strip() == "1"
     assert host.usable_cores() == len(os.sched_getaffinity(0)) >= 1
